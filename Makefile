@@ -1,0 +1,29 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is pinned to the release whose CPU wheel this image carries. Elsewhere, without a
+# GPU, point TORCH_INDEX at https://download.pytorch.org/whl/cpu to avoid the CUDA build.
+TORCH_INDEX ?=
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+
+.PHONY: demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/recforge generate configs/demo.yaml
+	$(VENV)/bin/recforge run configs/demo.yaml
+
+test: $(VENV)/.installed
+	$(VENV)/bin/pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf artifacts data

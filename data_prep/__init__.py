@@ -1,0 +1,1 @@
+"""Data preparation library: synthetic logs, ingest, preprocess, shard. No Prefect."""

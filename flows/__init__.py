@@ -1,0 +1,1 @@
+"""recforge pipeline flows, deployments and CLI."""

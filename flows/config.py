@@ -1,0 +1,98 @@
+"""The pipeline config: one YAML file per pipeline, one frozen section per stage.
+
+``load_config`` reads the YAML, applies ``--set section.key=value`` overrides and
+validates everything at once. Unknown keys are errors; every error names the
+file, the field and the offending value.
+"""
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from data_prep.errors import ConfigError
+from data_prep.ingest import IngestConfig
+from data_prep.preprocess import PreprocessConfig
+from data_prep.schema import SchemaConfig
+from data_prep.shard import ShardConfig
+from data_prep.synthetic import GenerateConfig
+from training.config import EvaluateConfig, ExportConfig, TrainConfig
+
+
+class PipelineConfig(BaseModel):
+    """A whole pipeline: data source, schema and every stage's settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="Pipeline name, used in run names and the model card.")
+    generate: GenerateConfig | None = Field(
+        default=None, description="Synthetic data for `recforge generate` (the embedded default)."
+    )
+    schema_: SchemaConfig = Field(alias="schema", description="The raw columns and their roles.")
+    ingest: IngestConfig
+    preprocess: PreprocessConfig = PreprocessConfig()
+    shard: ShardConfig = ShardConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    export: ExportConfig = ExportConfig()
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    """Read, override and validate a pipeline config.
+
+    Args:
+        path: the YAML file.
+        overrides: ``section.key=value`` strings; values parse as YAML (``1e-3``,
+            ``true``, ``[64, 32]``).
+
+    Raises:
+        ConfigError: the file is missing or not YAML, an override is malformed or
+            names no field, or validation fails. One line per problem.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; pass a YAML file under configs/.")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections.")
+    for override in overrides:
+        apply_override(raw, override, path)
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(describe_validation_error(err, path)) from err
+
+
+def apply_override(raw: dict, override: str, path: Path) -> None:
+    """Set ``section.key=value`` in the raw config mapping, in place."""
+    key, sep, value = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set '{override}': expected section.key=value.")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set '{override}': '{part}' in {path} is not a section.")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set '{override}': value is not valid YAML ({err}).") from err
+
+
+def describe_validation_error(err: ValidationError, path: Path) -> str:
+    lines = [f"{path}: invalid config ({err.error_count()} problem(s)):"]
+    for problem in err.errors():
+        field = ".".join(str(p) for p in problem["loc"]) or "(top level)"
+        if problem["type"] == "extra_forbidden":
+            lines.append(
+                f"  {field}: unknown key (value {problem['input']!r}); remove it or fix its "
+                "spelling."
+            )
+        else:
+            lines.append(f"  {field}: {problem['msg']} (got {problem['input']!r})")
+    return "\n".join(lines)

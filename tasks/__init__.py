@@ -1,0 +1,1 @@
+"""Thin Prefect tasks, one per stage."""

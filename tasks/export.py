@@ -1,0 +1,58 @@
+"""Prefect task for the export stage: model package + registry entry."""
+
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+
+from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
+from tasks.store import ArtifactStore
+from training.config import ExportConfig
+from training.export import export_model
+
+MODULES = ["training/export.py", "training/model.py"]
+
+
+@task(name="export", **task_options())
+def export_task(
+    config: ExportConfig,
+    train: StageOutput,
+    preprocess: StageOutput,
+    shard: StageOutput,
+    evaluate: StageOutput,
+    root: str,
+    mode: Mode,
+) -> StageOutput:
+    """Package the trained model (safetensors, ONNX, TorchScript, transform, card) and register it."""
+    upstream = [train, preprocess, shard, evaluate]
+    fp = stage_fingerprint("export", config.model_dump(), upstream, MODULES)
+
+    def produce(out_dir: Path) -> dict:
+        result = export_model(
+            config,
+            Path(train.output),
+            Path(preprocess.output) / "transform.json",
+            Path(shard.output),
+            Path(evaluate.output) / "metrics.json",
+            out_dir,
+        )
+        return {
+            "parity_max_abs_diff_onnx": result.parity_max_abs_diff_onnx,
+            "parity_max_abs_diff_torchscript": result.parity_max_abs_diff_torchscript,
+        }
+
+    output = run_stage("export", fp, mode, root, produce)
+    if output.status == "skipped":
+        return output
+    store = ArtifactStore(root)
+    model_dir = store.root / "registry" / config.model_name / fp[:12]
+    if output.status == "ran" or not (model_dir / "_manifest.json").exists():
+        model_dir = store.publish_model(config.model_name, fp[:12], Path(output.output))
+    output = output.model_copy(update={"meta": {**output.meta, "model": str(model_dir)}})
+    card = Path(output.output) / "model_card.md"
+    create_markdown_artifact(
+        key="model-card",
+        markdown=card.read_text() if card.exists() else f"Model package: {model_dir}",
+        description=f"Model card of {model_dir}",
+    )
+    return as_state(output)

@@ -1,0 +1,44 @@
+"""Prefect task for the preprocess stage."""
+
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+
+from data_prep.preprocess import PreprocessConfig, preprocess_events
+from data_prep.schema import SchemaConfig
+from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
+from tasks.progress import terminal_progress
+
+MODULES = ["data_prep/preprocess.py", "data_prep/schema.py"]
+
+
+@task(name="preprocess", **task_options())
+def preprocess_task(
+    config: PreprocessConfig, schema: SchemaConfig, ingest: StageOutput, root: str, mode: Mode
+) -> StageOutput:
+    """Split clean events by time and fit the feature transform on train."""
+    section = {"preprocess": config.model_dump(), "schema": schema.model_dump()}
+    fp = stage_fingerprint("preprocess", section, [ingest], MODULES)
+
+    def produce(out_dir: Path) -> dict:
+        with terminal_progress("preprocess rows", ingest.meta.get("good_rows")) as advance:
+            result = preprocess_events(
+                config, schema, Path(ingest.output) / "events", out_dir, on_progress=advance
+            )
+        return {
+            "rows": result.rows,
+            "vocab_sizes": result.vocab_sizes,
+            "valid_start_ts": result.valid_start_ts,
+            "test_start_ts": result.test_start_ts,
+        }
+
+    output = run_stage("preprocess", fp, mode, root, produce)
+    if output.status != "skipped":
+        create_table_artifact(
+            key="preprocess-summary",
+            table=[{"split": s, "rows": n} for s, n in output.meta["rows"].items()]
+            + [{"split": f"vocab:{f}", "rows": n} for f, n in output.meta["vocab_sizes"].items()],
+            description="Rows per time split and vocabulary sizes (fitted on train only).",
+        )
+    return as_state(output)

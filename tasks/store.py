@@ -1,0 +1,171 @@
+"""The content-addressed artifact store.
+
+```
+<root>/stages/<stage>/<fingerprint>/   one stage output; _manifest.json written last
+<root>/runs/<run_id>/summary.json      the run record
+<root>/registry/<model>/<version>/     exported model packages
+<root>/failed/<stage>/<fingerprint>-<time>/   outputs of failed stages, kept for inspection
+```
+
+A stage writes into a staging directory next to its final place. Publishing
+fsyncs every file, writes ``_manifest.json`` (file list, sizes, sha256, Parquet
+row counts, stage metadata) last, then renames the staging directory into
+place, so a reader never sees half an output. A cache hit is an output whose
+manifest verifies against the files.
+
+The store is local-filesystem only for now: renames are atomic there.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+MANIFEST = "_manifest.json"
+
+
+def fingerprint(stage: str, section: dict, inputs: list[str], code: str) -> str:
+    """sha256 of the stage name, its config (canonical JSON), upstream fingerprints and code."""
+    payload = json.dumps(
+        {"stage": stage, "config": section, "inputs": inputs, "code": code},
+        sort_keys=True,
+        separators=(",", ":"),
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def code_version(paths: list[Path]) -> str:
+    """sha256 over the source of the modules that implement a stage."""
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ArtifactStore:
+    """Stage outputs, run records and the model registry under one root directory."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).absolute()
+
+    def output_dir(self, stage: str, fp: str) -> Path:
+        return self.root / "stages" / stage / fp
+
+    def verify(self, stage: str, fp: str) -> tuple[dict | None, str]:
+        """Check a published output against its manifest.
+
+        Returns:
+            (manifest, "") when every listed file exists with its size and sha256;
+            (None, why) otherwise.
+        """
+        out = self.output_dir(stage, fp)
+        manifest_path = out / MANIFEST
+        if not manifest_path.exists():
+            return None, f"no output at {out}"
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as err:
+            return None, f"{manifest_path} is not valid JSON ({err})"
+        for rel, entry in manifest["files"].items():
+            path = out / rel
+            if not path.exists():
+                return None, f"{path} listed in the manifest is missing"
+            if path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
+                return None, f"{path} does not match its sha256 in the manifest"
+        return manifest, ""
+
+    def new_staging(self, stage: str, fp: str) -> Path:
+        path = self.root / "stages" / stage / f".staging-{fp[:16]}-{uuid.uuid4().hex[:8]}"
+        path.mkdir(parents=True)
+        return path
+
+    def publish(self, stage: str, fp: str, staging: Path, meta: dict) -> dict:
+        """Seal a staging directory with its manifest and rename it into place."""
+        files = {}
+        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+            rel = path.relative_to(staging).as_posix()
+            entry = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+            if path.suffix == ".parquet":
+                entry["rows"] = pq.ParquetFile(path).metadata.num_rows
+            files[rel] = entry
+            _fsync(path)
+        manifest = {
+            "stage": stage,
+            "fingerprint": fp,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "files": files,
+            "meta": meta,
+        }
+        _write_json_durable(staging / MANIFEST, manifest)
+        final = self.output_dir(stage, fp)
+        _replace_dir(staging, final)
+        return manifest
+
+    def keep_failed(self, stage: str, fp: str, staging: Path) -> Path:
+        """Move a failed stage's partial output out of the stage tree, for inspection."""
+        target = self.root / "failed" / stage / f"{fp[:16]}-{time.strftime('%Y%m%dT%H%M%S')}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, target)
+        return target
+
+    def discard(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def write_run_record(self, run_id: str, record: dict) -> Path:
+        path = self.root / "runs" / run_id / "summary.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
+        _write_json_durable(tmp, record)
+        os.replace(tmp, path)
+        return path
+
+    def publish_model(self, model_name: str, version: str, package_dir: Path) -> Path:
+        """Copy an export package into ``registry/<model>/<version>`` atomically."""
+        final = self.root / "registry" / model_name / version
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = final.parent / f".staging-{version}-{uuid.uuid4().hex[:8]}"
+        shutil.copytree(package_dir, staging)
+        _replace_dir(staging, final)
+        return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_durable(path: Path, payload: dict) -> None:
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=2, default=str)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _replace_dir(staging: Path, final: Path) -> None:
+    """Rename ``staging`` to ``final``, moving an existing ``final`` aside first."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    trash = None
+    if final.exists():
+        trash = final.parent / f".trash-{final.name[:16]}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, trash)
+    os.replace(staging, final)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)

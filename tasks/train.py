@@ -1,0 +1,83 @@
+"""Prefect task for the train stage: launches DeepSpeed ranks as separate processes."""
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+from prefect import get_run_logger, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
+
+from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
+from tasks.progress import terminal_progress
+from training.config import TrainConfig
+from training.train import train_model
+
+MODULES = [
+    "training/config.py",
+    "training/data.py",
+    "training/model.py",
+    "training/train.py",
+    "training/worker.py",
+]
+
+
+def free_port() -> int:
+    """A TCP port that is free right now, for the ranks' rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# A crashed or killed rank is transient: retry after 10 s, 20 s.
+@task(name="train", **task_options(backoff_seconds=10.0, retries=2))
+def train_task(config: TrainConfig, shard: StageOutput, root: str, mode: Mode) -> StageOutput:
+    """Train the model with DeepSpeed on `config.world_size` ranks."""
+    fp = stage_fingerprint("train", config.model_dump(), [shard], MODULES)
+    logger = get_run_logger()
+
+    def produce(out_dir: Path) -> dict:
+        progress_id = create_progress_artifact(
+            progress=0.0, key="train-progress", description="Training steps completed (%)"
+        )
+        history: list[dict] = []
+        with terminal_progress("train steps", None) as advance:
+
+            def on_progress(record: dict) -> None:
+                history.append(record)
+                advance(record["step"])
+                update_progress_artifact(
+                    progress_id, progress=100.0 * record["step"] / record["total_steps"]
+                )
+
+            result = train_model(
+                config,
+                Path(shard.output),
+                out_dir,
+                accelerator="cuda" if torch.cuda.is_available() else "cpu",
+                master_port=free_port(),
+                env=dict(os.environ),
+                on_log=logger.info,
+                on_progress=on_progress,
+            )
+        update_progress_artifact(progress_id, progress=100.0)
+        rows = "\n".join(
+            f"| {r['step']} | {r['loss']:.5f} | {r['samples_per_s']:.0f} |" for r in history
+        )
+        create_markdown_artifact(
+            key="train-loss",
+            markdown="| step | loss | samples/s |\n|---|---|---|\n" + rows,
+            description="Training loss by step (rank 0)",
+        )
+        return {
+            "final_loss": result.final_loss,
+            "steps": result.steps,
+            "samples_per_s": result.samples_per_s,
+            "seconds": result.seconds,
+        }
+
+    return as_state(run_stage("train", fp, mode, root, produce))

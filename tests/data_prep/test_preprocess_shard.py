@@ -1,0 +1,127 @@
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_prep.errors import DataError
+from data_prep.preprocess import PreprocessConfig, preprocess_events
+from data_prep.shard import ShardConfig, shard_name, write_shards
+
+
+def write_events(directory, n=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True)
+    table = pa.table(
+        {
+            "ts": np.sort(rng.integers(1_700_000_000, 1_700_100_000, n)),
+            "user_id": rng.integers(1, 50, n),
+            "city": [f"c{i}" for i in rng.integers(0, 5, n)],
+            "price": rng.lognormal(3, 1, n),
+            "click": rng.integers(0, 2, n),
+            "p_true": rng.random(n),
+        }
+    )
+    # Two files, to exercise multi-file reads.
+    pq.write_table(table.slice(0, n // 2), directory / "part-00000.parquet")
+    pq.write_table(table.slice(n // 2), directory / "part-00001.parquet")
+    return table
+
+
+def test_time_split_has_no_leakage_and_vocab_fits_on_train_only(tmp_path, schema):
+    events = write_events(tmp_path / "events")
+    result = preprocess_events(PreprocessConfig(), schema, tmp_path / "events", tmp_path / "pre")
+
+    split = {s: pq.read_table(tmp_path / "pre" / s) for s in ("train", "valid", "test")}
+    assert sum(t.num_rows for t in split.values()) == events.num_rows
+    assert max(split["train"]["ts"].to_pylist()) < min(split["valid"]["ts"].to_pylist())
+    assert max(split["valid"]["ts"].to_pylist()) < min(split["test"]["ts"].to_pylist())
+    assert result.rows["test"] == pytest.approx(100, abs=10)
+
+    transform = json.loads((tmp_path / "pre" / "transform.json").read_text())
+    train_raw = events.filter(pa.compute.less(events["ts"], result.valid_start_ts))
+    counts = {}
+    for uid in train_raw["user_id"].to_pylist():
+        counts[uid] = counts.get(uid, 0) + 1
+    expected = sorted((u for u, c in counts.items() if c >= 2), key=lambda u: (-counts[u], u))
+    assert transform["sparse"]["user_id"]["values"] == expected
+    assert transform["sparse"]["user_id"]["num_embeddings"] == len(expected) + 1
+
+    prices = np.log1p(train_raw["price"].to_numpy())
+    stats = transform["dense"]["price"]
+    assert stats["mean"] == pytest.approx(prices.mean()) and stats["std"] == pytest.approx(prices.std())
+    # Transformed train prices are standardised with train statistics.
+    assert split["train"]["price"].to_numpy().mean() == pytest.approx(0.0, abs=1e-4)
+    assert split["train"]["click"].type == pa.float32()
+    assert split["train"]["user_id"].type == pa.int64()
+
+
+def test_unseen_ids_map_to_oov_zero(tmp_path, schema):
+    write_events(tmp_path / "events")
+    extra = pa.table(
+        {"ts": [1_700_200_000], "user_id": [999], "city": ["nowhere"], "price": [5.0],
+         "click": [1], "p_true": [0.5]}
+    )
+    pq.write_table(extra, tmp_path / "events" / "part-00002.parquet")
+    preprocess_events(PreprocessConfig(), schema, tmp_path / "events", tmp_path / "pre")
+    test = pq.read_table(tmp_path / "pre" / "test")
+    last = test.slice(test.num_rows - 1).to_pylist()[0]
+    assert last["user_id"] == 0 and last["city"] == 0
+
+
+def test_a_split_with_no_rows_is_an_error(tmp_path, schema):
+    directory = tmp_path / "events"
+    directory.mkdir()
+    same_time = pa.table(
+        {"ts": [5] * 10, "user_id": list(range(10)), "city": ["a"] * 10, "price": [1.0] * 10,
+         "click": [0, 1] * 5, "p_true": [0.5] * 10}
+    )
+    pq.write_table(same_time, directory / "part-00000.parquet")
+    with pytest.raises(DataError, match="empty"):
+        preprocess_events(PreprocessConfig(), schema, directory, tmp_path / "pre")
+
+
+def test_shards_are_balanced_deterministic_and_complete(tmp_path, schema):
+    write_events(tmp_path / "events", n=1003)
+    preprocess_events(PreprocessConfig(), schema, tmp_path / "events", tmp_path / "pre")
+    config = ShardConfig(num_train_shards=4, num_eval_shards=2, row_group_size=50, seed=3)
+    a = write_shards(config, tmp_path / "pre", tmp_path / "s1")
+    b = write_shards(config, tmp_path / "pre", tmp_path / "s2")
+
+    train_rows = [e for e in json.loads((tmp_path / "s1" / "dataset.json").read_text())
+                  ["splits"]["train"]["files"]]
+    sizes = [e["rows"] for e in train_rows]
+    assert max(sizes) - min(sizes) <= 1
+    assert a.shards["train"][0] == shard_name("train", 0, 4) == "train-00000-of-00004.parquet"
+    for name in a.shards["train"]:
+        assert (tmp_path / "s1" / name).read_bytes() == (tmp_path / "s2" / name).read_bytes()
+
+    original = pq.read_table(tmp_path / "pre" / "train")
+    sharded = pa.concat_tables(pq.read_table(tmp_path / "s1" / n) for n in a.shards["train"])
+    key = ["ts", "user_id", "p_true"]
+    assert sorted(zip(*(original[k].to_pylist() for k in key))) == sorted(
+        zip(*(sharded[k].to_pylist() for k in key))
+    )
+    # Shuffled: the first shard is not a time-ordered prefix of train.
+    first = pq.read_table(tmp_path / "s1" / a.shards["train"][0])["ts"].to_numpy()
+    assert not np.all(np.diff(first) >= 0)
+    assert pq.ParquetFile(tmp_path / "s1" / a.shards["train"][0]).metadata.row_group(0).num_rows == 50
+
+    # Eval shards keep time order and cover the split.
+    test = pa.concat_tables(pq.read_table(tmp_path / "s1" / n) for n in a.shards["test"])
+    assert test["ts"].to_pylist() == pq.read_table(tmp_path / "pre" / "test")["ts"].to_pylist()
+
+    dataset = json.loads((tmp_path / "s1" / "dataset.json").read_text())
+    assert dataset["label"] == "click" and dataset["oracle"] == "p_true"
+    assert dataset["dense"] == ["price"]
+    assert [s["name"] for s in dataset["sparse"]] == ["user_id", "city"]
+
+
+def test_different_seed_shuffles_differently(tmp_path, schema):
+    write_events(tmp_path / "events")
+    preprocess_events(PreprocessConfig(), schema, tmp_path / "events", tmp_path / "pre")
+    a = write_shards(ShardConfig(seed=0), tmp_path / "pre", tmp_path / "s1")
+    write_shards(ShardConfig(seed=1), tmp_path / "pre", tmp_path / "s2")
+    name = a.shards["train"][0]
+    assert (tmp_path / "s1" / name).read_bytes() != (tmp_path / "s2" / name).read_bytes()

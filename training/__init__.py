@@ -1,0 +1,1 @@
+"""Training library: models, DeepSpeed training, evaluation, export. No Prefect."""
