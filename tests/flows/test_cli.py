@@ -1,0 +1,37 @@
+import pytest
+
+from flows.cli import build_parser, main
+
+
+def test_run_flags_parse():
+    args = build_parser().parse_args(
+        ["run", "configs/tiny.yaml", "--only", "train,evaluate", "--force", "shard",
+         "--set", "train.lr=0.1", "--set", "train.epochs=2"]
+    )
+    assert args.only == ["train", "evaluate"] and args.force == ["shard"]
+    assert args.overrides == ["train.lr=0.1", "train.epochs=2"]
+
+
+def test_unknown_stage_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "configs/tiny.yaml", "--only", "trian"])
+    assert "unknown stage" in capsys.readouterr().err
+
+
+def test_from_and_only_are_exclusive():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "c.yaml", "--from", "train", "--only", "train"])
+
+
+def test_bad_config_fails_fast_with_one_message(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nbogus: 1\n")
+    assert main(["run", str(bad), "--root", str(tmp_path / "art")]) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and "unknown key" in err
+    assert not (tmp_path / "art").exists()
+
+
+def test_unknown_override_fails_fast(capsys):
+    assert main(["run", "configs/tiny.yaml", "--set", "train.lrr=1"]) == 2
+    assert "train.lrr" in capsys.readouterr().err

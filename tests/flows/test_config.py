@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+
+from data_prep.errors import ConfigError
+from flows.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    config = load_config(path)
+    assert config.schema_.label.role == "label"
+    assert config.train.bottom_mlp
+
+
+def test_override_sets_a_field_with_yaml_types():
+    config = load_config(REPO / "configs/tiny.yaml", ["train.lr=0.05", "train.top_mlp=[8, 4]"])
+    assert config.train.lr == 0.05 and config.train.top_mlp == [8, 4]
+
+
+def test_unknown_key_names_file_field_and_value(tmp_path):
+    text = (REPO / "configs/tiny.yaml").read_text().replace("  lr: 0.003", "  lrr: 0.003")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    message = str(err.value)
+    assert "bad.yaml" in message and "train.lrr" in message and "0.003" in message
+
+
+def test_bad_value_names_field_and_value():
+    with pytest.raises(ConfigError, match=r"train.zero_stage.*got 7"):
+        load_config(REPO / "configs/tiny.yaml", ["train.zero_stage=7"])
+
+
+def test_unknown_override_is_an_error():
+    with pytest.raises(ConfigError, match="train.nope"):
+        load_config(REPO / "configs/tiny.yaml", ["train.nope=1"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(REPO / "configs/tiny.yaml", ["train.lr"])
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.yaml")

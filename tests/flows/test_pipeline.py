@@ -1,0 +1,194 @@
+"""End-to-end: the whole flow through Prefect, 2 DeepSpeed ranks on CPU, tiny data."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep.errors import InputNotFoundError, SchemaError
+from data_prep.synthetic import generate_logs
+from flows.config import load_config
+from flows.pipeline import RunParams, pipeline
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.yaml")
+STAGES = ["ingest", "preprocess", "shard", "train", "evaluate", "export"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def raw_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "raw"
+    generate_logs(load_config(TINY, [f"generate.out={out}"]).generate)
+    return out
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_server, raw_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    path = pipeline(RunParams(config=TINY, root=str(root), overrides=[f"ingest.path={raw_dir}"]))
+    return root, json.loads(Path(path).read_text())
+
+
+def run(root, raw_dir, **kwargs) -> dict:
+    overrides = [f"ingest.path={raw_dir}", *kwargs.pop("overrides", [])]
+    params = RunParams(config=TINY, root=str(root), overrides=overrides, **kwargs)
+    return json.loads(Path(pipeline(params)).read_text())
+
+
+def statuses(record: dict) -> list[str]:
+    return [record["stages"][s]["status"] for s in STAGES]
+
+
+def test_first_run_runs_all_stages_and_records_metrics(first_run):
+    root, record = first_run
+    assert record["status"] == "completed"
+    assert statuses(record) == ["ran"] * 6
+    metrics = record["metrics"]
+    for key in ("auc", "logloss", "bayes_auc"):
+        assert np.isfinite(metrics[key])
+    assert 0.5 < metrics["auc"] <= 1.0 and metrics["auc"] <= metrics["bayes_auc"] + 0.05
+    model = Path(record["model"])
+    assert model.parent.parent == root / "registry"
+    for name in ("model.safetensors", "model.onnx", "model.ts", "transform.json", "model_card.md"):
+        assert (model / name).is_file(), name
+    for stage in STAGES:
+        out = Path(record["stages"][stage]["output"])
+        assert out.parent == root / "stages" / stage and (out / "_manifest.json").is_file()
+
+
+def test_second_run_is_all_cached(first_run, raw_dir):
+    root, record = first_run
+    again = run(root, raw_dir)
+    assert statuses(again) == ["cached"] * 6
+    assert again["metrics"] == record["metrics"] and again["model"] == record["model"]
+
+
+def test_from_evaluate_reruns_only_evaluate_and_export(first_run, raw_dir):
+    root, _ = first_run
+    record = run(root, raw_dir, from_stage="evaluate")
+    assert statuses(record) == ["cached"] * 4 + ["ran"] * 2
+
+
+def test_training_hyperparameter_reruns_train_evaluate_export(first_run, raw_dir):
+    root, record = first_run
+    changed = run(root, raw_dir, overrides=["train.lr=0.01"])
+    assert statuses(changed) == ["cached"] * 3 + ["ran"] * 3
+    assert changed["stages"]["train"]["fingerprint"] != record["stages"]["train"]["fingerprint"]
+    assert changed["model"] != record["model"]
+
+
+def test_deleted_output_runs_again(first_run, raw_dir):
+    root, record = first_run
+    shutil.rmtree(record["stages"]["shard"]["output"])
+    again = run(root, raw_dir)
+    # Downstream fingerprints depend on upstream fingerprints, not bytes: still cached.
+    assert statuses(again) == ["cached", "cached", "ran", "cached", "cached", "cached"]
+
+
+def test_only_skips_downstream_stages(first_run, raw_dir):
+    root, _ = first_run
+    record = run(root, raw_dir, only=["preprocess"])
+    assert statuses(record) == ["cached", "ran", "skipped", "skipped", "skipped", "skipped"]
+
+
+def test_exported_onnx_matches_trained_model_without_training_code(first_run):
+    root, record = first_run
+    model = Path(record["model"])
+    shard_dir = Path(record["stages"]["shard"]["output"])
+    train_dir = Path(record["stages"]["train"]["output"])
+    # Training-time scores of 1,000 test rows, from the trained weights.
+    import torch
+
+    from training.data import iter_batches, load_dataset_meta
+    from training.model import load_model
+
+    net, _ = load_model(train_dir)
+    meta = load_dataset_meta(shard_dir)
+    sparse, dense = [], []
+    for batch in iter_batches(shard_dir, meta, "test", rank=0, world_size=1, batch_size=1000):
+        sparse.append(batch.sparse.numpy())
+        dense.append(batch.dense.numpy())
+    sparse = np.concatenate(sparse)[:1000]
+    dense = np.concatenate(dense)[:1000]
+    with torch.no_grad():
+        expected = torch.sigmoid(net(torch.from_numpy(sparse), torch.from_numpy(dense))).numpy()
+    np.savez(root / "sample.npz", sparse=sparse, dense=dense, expected=expected)
+
+    # A fresh interpreter that imports onnxruntime and numpy only.
+    script = (
+        "import sys, numpy as np, onnxruntime as ort\n"
+        "d = np.load(sys.argv[2])\n"
+        "s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n"
+        "out = s.run(None, {'sparse': d['sparse'], 'dense': d['dense']})[0]\n"
+        "assert 'training' not in sys.modules\n"
+        "print(float(np.abs(out.reshape(-1) - d['expected']).max()), len(out))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(model / "model.onnx"), str(root / "sample.npz")],
+        capture_output=True, text=True, check=True, cwd="/",
+    )
+    max_diff, rows = done.stdout.split()
+    assert int(rows) == len(expected) and float(max_diff) <= 1e-5
+
+
+def test_cli_prints_run_record_last(first_run, raw_dir):
+    root, _ = first_run
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", TINY, "--root", str(root),
+         "--set", f"ingest.path={raw_dir}"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = done.stdout.strip().splitlines()[-1]
+    record = json.loads(Path(last).read_text())
+    assert last.endswith("summary.json") and statuses(record) == ["cached"] * 6
+
+
+def task_run_counts(state) -> dict[str, int]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
+    return {r.name.split("-")[0]: r.run_count for r in runs}
+
+
+def test_missing_input_fails_once_without_output(prefect_server, tmp_path):
+    params = RunParams(config=TINY, root=str(tmp_path), overrides=[f"ingest.path={tmp_path}/none"])
+    state = pipeline(params, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(InputNotFoundError, match="does not exist"):
+        state.result()
+    assert task_run_counts(state) == {"ingest": 1}
+    assert not (tmp_path / "stages" / "ingest").exists()
+    record = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
+    assert record["status"] == "failed" and record["stages"]["ingest"]["status"] == "failed"
+
+
+def test_all_malformed_rows_fail_once_and_keep_quarantine(prefect_server, tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.csv").write_text(
+        "ts,user_id,item_id,city,device,hour,category,price,position,click,p_true\n"
+        + "yesterday,1,1,c,ios,1,k,1.0,1,0,0.1\n" * 20
+    )
+    params = RunParams(config=TINY, root=str(tmp_path / "art"), overrides=[f"ingest.path={raw}"])
+    state = pipeline(params, return_state=True)
+    with pytest.raises(SchemaError, match="20 of 20 rows"):
+        state.result()
+    assert task_run_counts(state) == {"ingest": 1}
+    ingest_dir = tmp_path / "art" / "stages" / "ingest"
+    assert [p for p in ingest_dir.iterdir() if not p.name.startswith(".")] == []
+    kept = list((tmp_path / "art" / "failed" / "ingest").glob("*/quarantine/*.parquet"))
+    assert kept, "the quarantine of a failed ingest is kept for inspection"
