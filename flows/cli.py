@@ -92,7 +92,8 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     record = json.loads(Path(path).read_text())
     metrics = ", ".join(f"{k}={v:.4f}" for k, v in record["metrics"].items() if isinstance(v, float))
-    print(f"stages: {', '.join(f'{k}={v['status']}' for k, v in record['stages'].items())}")
+    statuses = ", ".join(f"{stage}={info['status']}" for stage, info in record["stages"].items())
+    print(f"stages: {statuses}")
     print(f"metrics: {metrics}")
     print(f"model: {record['model']}")
     print(path)

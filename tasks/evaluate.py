@@ -1,5 +1,6 @@
 """Prefect task for the evaluate stage."""
 
+import json
 from pathlib import Path
 
 from prefect import task
@@ -21,7 +22,7 @@ def evaluate_task(
 
     def produce(out_dir: Path) -> dict:
         result = evaluate_model(config, Path(train.output), Path(shard.output), out_dir)
-        return {"metrics": result.metrics}
+        return {"metrics": json.loads(result.metrics_path.read_text())}
 
     output = run_stage("evaluate", fp, mode, root, produce)
     if output.status != "skipped":

@@ -12,7 +12,7 @@ def terminal_progress(description: str, total: float | None) -> Iterator[Callabl
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed:,.0f}/{task.total:,.0f}"),
+        TextColumn("{task.completed:,.0f}"),
         TimeElapsedColumn(),
         transient=False,
     ) as progress:

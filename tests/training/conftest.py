@@ -112,9 +112,7 @@ def write_random_train_dir(train_dir: Path, shards_dir: Path, interaction: str =
     from training.data import load_dataset_meta
     from training.model import build_model, model_config_from
 
-    config = TrainConfig(
-        interaction=interaction, embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16]
-    )
+    config = TrainConfig(interaction=interaction, embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16])
     model_config = model_config_from(config, load_dataset_meta(shards_dir))
     torch.manual_seed(0)
     model = build_model(model_config)
@@ -126,6 +124,16 @@ def write_random_train_dir(train_dir: Path, shards_dir: Path, interaction: str =
 
 
 @pytest.fixture
-def random_train_dir(tmp_path: Path, shards_dir: Path) -> Path:
+def make_train_dir(tmp_path: Path) -> Callable[..., Path]:
+    """Factory: `make_train_dir(shards_dir, interaction="dot", name="train")` -> train dir."""
+
+    def make(shards_dir: Path, interaction: str = "dot", name: str = "train") -> Path:
+        return write_random_train_dir(tmp_path / name, shards_dir, interaction)
+
+    return make
+
+
+@pytest.fixture
+def random_train_dir(make_train_dir: Callable[..., Path], shards_dir: Path) -> Path:
     """A train output with a randomly initialised dot-interaction model for `shards_dir`."""
-    return write_random_train_dir(tmp_path / "train", shards_dir)
+    return make_train_dir(shards_dir)

@@ -24,9 +24,7 @@ def rank_ts(shards_dir: Path, split: str, rank: int, world_size: int) -> np.ndar
     return np.concatenate([t.column("ts").to_numpy() for t in tables])
 
 
-@pytest.mark.parametrize(
-    ("num_files", "world_size"), [(4, 2), (3, 2), (1, 2), (2, 3), (5, 1)]
-)
+@pytest.mark.parametrize(("num_files", "world_size"), [(4, 2), (3, 2), (1, 2), (2, 3), (5, 1)])
 def test_ranks_read_disjoint_rows_that_cover_the_split(
     make_shards: Callable[..., Path], num_files: int, world_size: int
 ) -> None:

@@ -43,11 +43,11 @@ def test_metrics_match_sklearn_on_the_whole_split(
     assert written["bayes_auc"] == result.bayes_auc
 
 
-def test_no_oracle_means_no_bayes_auc(make_shards: Callable[..., Path], tmp_path: Path) -> None:
-    from conftest import write_random_train_dir
-
+def test_no_oracle_means_no_bayes_auc(
+    make_shards: Callable[..., Path], make_train_dir: Callable[..., Path], tmp_path: Path
+) -> None:
     shards_dir = make_shards(oracle=False)
-    train_dir = write_random_train_dir(tmp_path / "train", shards_dir, interaction="cross")
+    train_dir = make_train_dir(shards_dir, interaction="cross")
     result = evaluate_model(EvaluateConfig(split="valid"), train_dir, shards_dir, tmp_path / "e")
     assert result.bayes_auc is None and result.num_rows == 256
     assert "bayes_auc" not in json.loads(result.metrics_path.read_text())

@@ -80,7 +80,9 @@ def test_model_config_round_trips_through_json(interaction: str) -> None:
     meta = DatasetMeta.model_validate(
         {
             "label": "click",
-            "sparse": [{"name": f"f{i}", "num_embeddings": n} for i, n in enumerate(NUM_EMBEDDINGS)],
+            "sparse": [
+                {"name": f"f{i}", "num_embeddings": n} for i, n in enumerate(NUM_EMBEDDINGS)
+            ],
             "dense": [f"d{i}" for i in range(NUM_DENSE)],
             "splits": {},
         }

@@ -1,0 +1,225 @@
+import json
+import math
+import os
+import socket
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data_prep.errors import ConfigError, InputNotFoundError, TrainingCrashed
+from training.config import EvaluateConfig, TrainConfig
+from training.data import load_dataset_meta
+from training.evaluate import evaluate_model
+from training.model import build_model
+from training.train import build_deepspeed_config, plan_total_steps, train_model
+
+TINY = {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16], "batch_size": 32}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def fake_python(tmp_path: Path, script: str) -> str:
+    """An executable standing in for the interpreter that would run the launcher."""
+    path = tmp_path / "fake_python"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_deepspeed_config_comes_from_the_train_config() -> None:
+    config = TrainConfig(
+        batch_size=64,
+        grad_accum_steps=2,
+        zero_stage=2,
+        precision="bf16",
+        grad_clip=1.0,
+        lr=3e-4,
+        weight_decay=0.01,
+        warmup_steps=10,
+    )
+    ds_config = build_deepspeed_config(config, world_size=4, total_steps=100)
+    assert ds_config["train_micro_batch_size_per_gpu"] == 64
+    assert ds_config["gradient_accumulation_steps"] == 2
+    assert ds_config["train_batch_size"] == 64 * 2 * 4
+    assert ds_config["optimizer"]["params"]["torch_adam"] is True
+    assert ds_config["optimizer"]["params"]["lr"] == 3e-4
+    assert ds_config["optimizer"]["params"]["weight_decay"] == 0.01
+    assert ds_config["zero_optimization"] == {"stage": 2}
+    assert ds_config["bf16"] == {"enabled": True}
+    assert ds_config["gradient_clipping"] == 1.0
+    assert ds_config["scheduler"]["type"] == "WarmupDecayLR"
+    assert ds_config["scheduler"]["params"]["total_num_steps"] == 100
+    assert ds_config["scheduler"]["params"]["warmup_num_steps"] == 10
+    assert json.loads(json.dumps(ds_config)) == ds_config
+
+
+def test_deepspeed_config_defaults_keep_the_learning_rate_constant() -> None:
+    ds_config = build_deepspeed_config(TrainConfig(), world_size=2)
+    assert "scheduler" not in ds_config
+    assert ds_config["bf16"] == {"enabled": False}
+    assert ds_config["zero_optimization"] == {"stage": 0}
+    assert build_deepspeed_config(TrainConfig(warmup_steps=5), 2)["scheduler"]["type"] == "WarmupLR"
+
+
+def test_step_plan(shards_dir: Path) -> None:
+    meta = load_dataset_meta(shards_dir)  # 4 x 256 train rows: 16 micro batches of 32 per rank
+    assert plan_total_steps(TrainConfig(**TINY), meta) == 16
+    assert plan_total_steps(TrainConfig(**TINY, epochs=2.5, grad_accum_steps=3), meta) == 13
+    assert plan_total_steps(TrainConfig(**TINY, max_steps=100), meta) == 100
+    with pytest.raises(ConfigError, match="batch_size"):
+        plan_total_steps(TrainConfig(**{**TINY, "batch_size": 1024}), meta)
+    with pytest.raises(ConfigError, match="epochs"):
+        plan_total_steps(TrainConfig(**TINY, epochs=0.01), meta)
+
+
+def test_missing_dataset_json_fails_before_launching(tmp_path: Path) -> None:
+    with pytest.raises(InputNotFoundError, match=str(tmp_path / "empty" / "dataset.json")):
+        train_model(TrainConfig(), tmp_path / "empty", tmp_path / "out", "cpu", 1, env={})
+
+
+def test_launcher_output_is_streamed_and_a_failure_raises(shards_dir: Path, tmp_path: Path) -> None:
+    python = fake_python(
+        tmp_path,
+        'echo \'RECFORGE_PROGRESS {"step": 1, "total_steps": 2, "loss": 0.7}\'\n'
+        "echo 'RECFORGE_PROGRESS {truncated'\n"
+        'echo \'RECFORGE_ERROR {"rank": 1, "error": "ValueError: bad"}\'\n'
+        'echo "accelerator=$DS_ACCELERATOR"\n'
+        "echo boom >&2\n"
+        "exit 3\n",
+    )
+    lines: list[str] = []
+    progress: list[dict] = []
+    with pytest.raises(TrainingCrashed, match="code 3") as error:
+        train_model(
+            TrainConfig(**TINY),
+            shards_dir,
+            tmp_path / "out",
+            "cpu",
+            1,
+            env={},
+            on_log=lines.append,
+            on_progress=progress.append,
+            python=python,
+        )
+    assert "boom" in str(error.value) and "rank 1: ValueError: bad" in str(error.value)
+    assert progress == [{"step": 1, "total_steps": 2, "loss": 0.7}]
+    assert "accelerator=cpu" in lines and "boom" in lines
+    out = tmp_path / "out"
+    assert "boom" in (out / "launcher.log").read_text()
+    launch = json.loads((out / "launch.json").read_text())
+    assert launch["total_steps"] == 16 and launch["ds_config"]["optimizer"]["params"]["torch_adam"]
+
+
+def test_exit_zero_without_weights_is_a_crash(shards_dir: Path, tmp_path: Path) -> None:
+    python = fake_python(tmp_path, "exit 0\n")
+    with pytest.raises(TrainingCrashed, match="missing"):
+        train_model(TrainConfig(**TINY), shards_dir, tmp_path / "o", "cpu", 1, {}, python=python)
+
+
+def test_an_interrupted_caller_leaves_no_orphans(shards_dir: Path, tmp_path: Path) -> None:
+    python = fake_python(tmp_path, 'sleep 120 &\necho "child $!"\nwait\n')
+    children: list[int] = []
+
+    def on_log(line: str) -> None:
+        children.append(int(line.split()[1]))
+        raise KeyboardInterrupt
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        train_model(
+            TrainConfig(**TINY),
+            shards_dir,
+            tmp_path / "o",
+            "cpu",
+            1,
+            {},
+            on_log=on_log,
+            python=python,
+        )
+    assert time.monotonic() - started < 10
+    (child,) = children
+    for _ in range(50):  # the orphaned sleep is reaped by init shortly after it dies
+        status = Path(f"/proc/{child}/stat")
+        if not status.exists() or status.read_text().split(") ")[1].startswith("Z"):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"process {child} of the launcher's group survived")
+
+
+def deepspeed_env() -> dict[str, str]:
+    return {**os.environ, "DS_ACCELERATOR": "cpu"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("zero_stage", "precision"), [(2, "fp32"), (0, "bf16")])
+def test_train_with_deepspeed_on_two_cpu_ranks(
+    zero_stage: int, precision: str, shards_dir: Path, tmp_path: Path
+) -> None:
+    config = TrainConfig(
+        **TINY,
+        epochs=0.5,
+        log_every=3,
+        zero_stage=zero_stage,
+        precision=precision,
+        warmup_steps=2,
+        world_size=2,
+    )
+    progress: list[dict] = []
+    out = tmp_path / "train"
+    result = train_model(
+        config,
+        shards_dir,
+        out,
+        "cpu",
+        free_port(),
+        deepspeed_env(),
+        on_progress=progress.append,
+    )
+
+    assert result.steps == 8  # half of 16 micro batches per rank
+    assert math.isfinite(result.final_loss) and result.samples_per_s > 0
+    assert [p["step"] for p in progress] == [3, 6, 8]
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log == progress and log[-1]["loss"] == result.final_loss
+    assert (out / "checkpoints" / "final").is_dir()
+
+    weights = load_file(out / "model.safetensors")
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in weights.values())
+    model = build_model(json.loads((out / "model_config.json").read_text()))
+    model.load_state_dict(weights)  # strict: every parameter, nothing else
+    if precision == "bf16":
+        # The fp32 master weights were saved, not the bf16 working copy.
+        assert any((t != t.bfloat16().float()).any() for t in weights.values())
+
+    metrics = evaluate_model(EvaluateConfig(), out, shards_dir, tmp_path / "eval")
+    assert metrics.num_rows == 512 and 0 <= metrics.auc <= 1
+
+
+@pytest.mark.slow
+def test_a_crashing_rank_raises_training_crashed(shards_dir: Path, tmp_path: Path) -> None:
+    # Only rank 0 reads this file; rank 1 must not be left waiting in a collective.
+    (shards_dir / "train-00000-of-00004.parquet").write_bytes(b"not parquet at all")
+    started = time.monotonic()
+    with pytest.raises(TrainingCrashed, match="exited with code") as error:
+        train_model(
+            TrainConfig(**TINY, max_steps=4),
+            shards_dir,
+            tmp_path / "train",
+            "cpu",
+            free_port(),
+            deepspeed_env(),
+        )
+    # The root cause, rank 0's, is named first; rank 1 only lost its peer.
+    assert "rank errors, first one first:\n  rank 0: ArrowInvalid: Parquet magic bytes" in str(
+        error.value
+    )
+    assert time.monotonic() - started < 90

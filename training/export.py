@@ -1,0 +1,308 @@
+"""Export stage: package a trained model for serving and prove the package scores like it.
+
+Reads `<train_dir>/model_config.json`, `<train_dir>/model.safetensors` (and, for the
+model card, `train_config.json` and `train_summary.json` when present), the fitted
+transform file, `dataset.json` and the first test rows of the shards, and optionally
+the evaluation's metrics.json. Writes into `out_dir`:
+
+- `model.safetensors`, `model_config.json`: the weights and how to rebuild the module;
+- `model.onnx`: inputs `sparse` int64 (B, F) and `dense` float32 (B, Dn), output
+  `score` float32 (B,), the click probability; the batch axis is dynamic;
+- `model.ts`: the same graph as TorchScript (torch.jit.trace);
+- `transform.json`: a copy of the fitted transform (raw values -> model inputs);
+- `signature.json`: feature names in input order, dtypes, shapes, input/output names;
+- `parity/inputs.npz` (keys = ONNX input names), `parity/scores.npy`: the trained
+  model's scores on the first `parity_rows` test rows, for checks at serving time;
+- `model_card.md`.
+
+Parity: the torch model, onnxruntime and TorchScript score the parity sample; a
+difference above `parity_atol` raises ParityError (the files written so far stay in
+`out_dir`, which the caller treats as a failed staging directory).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime
+import torch
+from torch import nn
+
+from data_prep.errors import InputNotFoundError, ParityError, SchemaError
+from training.config import ExportConfig
+from training.data import DatasetMeta, iter_tables, load_dataset_meta, model_columns, to_batch
+from training.model import DLRM, MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model
+from training.train import SUMMARY_FILE, TRAIN_CONFIG_FILE
+
+INPUT_NAMES = ("sparse", "dense")
+OUTPUT_NAME = "score"
+PARITY_SPLIT = "test"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """An exported model package.
+
+    Attributes:
+        out_dir: The package directory.
+        parity_max_abs_diff_onnx: Largest |torch - onnxruntime| score on the parity sample.
+        parity_max_abs_diff_torchscript: Largest |torch - TorchScript| score on it.
+        files: The package's files, relative to out_dir, sorted.
+    """
+
+    out_dir: Path
+    parity_max_abs_diff_onnx: float
+    parity_max_abs_diff_torchscript: float
+    files: list[str]
+
+
+class ScoringModule(nn.Module):
+    """The served graph: a CTR model followed by a sigmoid.
+
+    Args:
+        model: The trained model.
+    """
+
+    def __init__(self, model: DLRM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, sparse: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """Click probabilities.
+
+        Args:
+            sparse: (B, F) int64 indices.
+            dense: (B, Dn) float32 features.
+
+        Returns:
+            (B,) float32 probabilities.
+        """
+        return torch.sigmoid(self.model(sparse, dense))
+
+
+def export_model(
+    config: ExportConfig,
+    train_dir: Path,
+    transform_path: Path,
+    shards_dir: Path,
+    metrics_path: Path | None,
+    out_dir: Path,
+) -> ExportResult:
+    """Write the model package and check that ONNX and TorchScript match torch.
+
+    Args:
+        config: The export config.
+        train_dir: The train stage's output.
+        transform_path: The fitted transform file of the preprocess stage.
+        shards_dir: The shard directory (feature names; test rows for parity).
+        metrics_path: The evaluation's metrics.json for the model card, or None.
+        out_dir: The package directory; created if missing.
+
+    Returns:
+        The package and its parity figures.
+
+    Raises:
+        InputNotFoundError: A model file, the transform, the metrics or dataset.json
+            is missing.
+        SchemaError: The test split has no rows.
+        ParityError: ONNX or TorchScript scores differ from torch by more than parity_atol.
+    """
+    train_dir, out_dir = Path(train_dir), Path(out_dir)
+    for path in (transform_path, metrics_path):
+        if path is not None and not Path(path).is_file():
+            raise InputNotFoundError(f"{path} does not exist")
+    model, model_config = load_model(train_dir)
+    meta = load_dataset_meta(shards_dir)
+    sparse, dense = _parity_inputs(shards_dir, meta, config.parity_rows)
+    scorer = ScoringModule(model).eval()
+    with torch.no_grad():
+        scores = scorer(sparse, dense).numpy()  # (N,)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "parity").mkdir(exist_ok=True)
+    # Trace on a slice smaller than the parity sample, so scoring the parity sample also
+    # checks that the batch axis is really dynamic.
+    example = (sparse[:2], dense[:2])
+    onnx_path = out_dir / "model.onnx"
+    torch.onnx.export(
+        scorer,
+        example,
+        str(onnx_path),
+        input_names=list(INPUT_NAMES),
+        output_names=[OUTPUT_NAME],
+        dynamic_axes={name: {0: "batch"} for name in (*INPUT_NAMES, OUTPUT_NAME)},
+        opset_version=config.opset,
+        dynamo=False,
+    )
+    with torch.no_grad():
+        traced = torch.jit.trace(scorer, example)
+    ts_path = out_dir / "model.ts"
+    torch.jit.save(traced, str(ts_path))
+
+    inputs = {"sparse": sparse.numpy(), "dense": dense.numpy()}
+    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    onnx_scores = session.run([OUTPUT_NAME], inputs)[0]
+    with torch.no_grad():
+        ts_scores = torch.jit.load(str(ts_path))(sparse, dense).numpy()
+    diff_onnx = _max_abs_diff(scores, onnx_scores)
+    diff_ts = _max_abs_diff(scores, ts_scores)
+    if not (diff_onnx <= config.parity_atol and diff_ts <= config.parity_atol):
+        raise ParityError(
+            f"exported model differs from the trained model on {len(scores)} test rows: "
+            f"max |diff| ONNX {diff_onnx:.3g}, TorchScript {diff_ts:.3g} > parity_atol "
+            f"{config.parity_atol:g}; check the model for ops that export changes"
+        )
+
+    np.savez(out_dir / "parity" / "inputs.npz", **inputs)
+    np.save(out_dir / "parity" / "scores.npy", scores.astype(np.float32))
+    shutil.copyfile(train_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
+    (out_dir / MODEL_CONFIG_FILE).write_text(json.dumps(model_config, indent=2) + "\n")
+    shutil.copyfile(transform_path, out_dir / "transform.json")
+    signature = _signature(config, meta)
+    (out_dir / "signature.json").write_text(json.dumps(signature, indent=2) + "\n")
+    metrics = json.loads(Path(metrics_path).read_text()) if metrics_path is not None else None
+    card = _model_card(
+        config, meta, model_config, train_dir, metrics, len(scores), diff_onnx, diff_ts
+    )
+    (out_dir / "model_card.md").write_text(card)
+    files = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
+    return ExportResult(
+        out_dir=out_dir,
+        parity_max_abs_diff_onnx=diff_onnx,
+        parity_max_abs_diff_torchscript=diff_ts,
+        files=files,
+    )
+
+
+def _parity_inputs(
+    shards_dir: Path, meta: DatasetMeta, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `rows` test rows as (sparse (N, F), dense (N, Dn))."""
+    columns = model_columns(meta)
+    tables = iter_tables(shards_dir, meta, PARITY_SPLIT, 0, 1, rows, columns, drop_last=False)
+    table = next(iter(tables), None)
+    if table is None:
+        raise SchemaError(f"the {PARITY_SPLIT} split of {shards_dir} has no rows for parity")
+    sparse, dense, _ = to_batch(table, meta)
+    return sparse, dense
+
+
+def _max_abs_diff(expected: np.ndarray, actual: np.ndarray) -> float:
+    if expected.shape != actual.shape:
+        return float("inf")
+    return float(np.max(np.abs(expected.astype(np.float64) - actual.astype(np.float64))))
+
+
+def _signature(config: ExportConfig, meta: DatasetMeta) -> dict[str, Any]:
+    return {
+        "model_name": config.model_name,
+        "inputs": [
+            {
+                "name": "sparse",
+                "dtype": "int64",
+                "shape": ["batch", len(meta.sparse)],
+                "features": meta.sparse_names,
+                "num_embeddings": meta.num_embeddings,
+                "oov_index": 0,
+            },
+            {
+                "name": "dense",
+                "dtype": "float32",
+                "shape": ["batch", len(meta.dense)],
+                "features": list(meta.dense),
+            },
+        ],
+        "outputs": [
+            {
+                "name": OUTPUT_NAME,
+                "dtype": "float32",
+                "shape": ["batch"],
+                "description": f"probability that {meta.label} = 1",
+            }
+        ],
+        "label": meta.label,
+        "files": {"onnx": "model.onnx", "torchscript": "model.ts", "transform": "transform.json"},
+    }
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _model_card(
+    config: ExportConfig,
+    meta: DatasetMeta,
+    model_config: dict[str, Any],
+    train_dir: Path,
+    metrics: dict[str, Any] | None,
+    parity_rows: int,
+    diff_onnx: float,
+    diff_ts: float,
+) -> str:
+    train_config = _read_json(train_dir / TRAIN_CONFIG_FILE)
+    summary = _read_json(train_dir / SUMMARY_FILE)
+    lines = [
+        f"# {config.model_name}",
+        "",
+        "## Model",
+        "",
+        f"DLRM-style CTR model, `{model_config['interaction']}` interaction. Inputs `sparse` "
+        f"int64 (B, {len(meta.sparse)}) and `dense` float32 (B, {len(meta.dense)}); output "
+        f"`score` float32 (B,), the probability that `{meta.label}` = 1.",
+        "",
+        "```json",
+        json.dumps(model_config, indent=2),
+        "```",
+        "",
+        "## Features",
+        "",
+        "| input | position | feature | num_embeddings |",
+        "|---|---|---|---|",
+        *(f"| sparse | {i} | {f.name} | {f.num_embeddings} |" for i, f in enumerate(meta.sparse)),
+        *(f"| dense | {i} | {name} | |" for i, name in enumerate(meta.dense)),
+        "",
+        "Raw values become model inputs through `transform.json`; index 0 is the OOV bucket.",
+        "",
+        "## Data",
+        "",
+        "| split | rows | files |",
+        "|---|---|---|",
+        *(
+            f"| {name} | {split.rows} | {len(split.files)} |"
+            for name, split in sorted(meta.splits.items())
+        ),
+        "",
+        "## Metrics",
+        "",
+    ]
+    if metrics is None:
+        lines.append("Not evaluated.")
+    else:
+        lines += ["| metric | value |", "|---|---|"]
+        lines += [f"| {key} | {value} |" for key, value in metrics.items()]
+    lines += ["", "## Training", ""]
+    if train_config is None:
+        lines.append("Training config not recorded.")
+    else:
+        lines += ["```json", json.dumps(train_config, indent=2, sort_keys=True), "```"]
+    if summary is not None:
+        lines += ["", "```json", json.dumps(summary, indent=2, sort_keys=True), "```"]
+    lines += [
+        "",
+        "## Parity",
+        "",
+        f"Scores on the first {parity_rows} {PARITY_SPLIT} rows (`parity/`), compared with the "
+        f"trained torch model (tolerance {config.parity_atol:g}):",
+        "",
+        "| runtime | max abs diff |",
+        "|---|---|",
+        f"| onnxruntime (opset {config.opset}) | {diff_onnx:.3g} |",
+        f"| TorchScript | {diff_ts:.3g} |",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,354 @@
+"""Train stage: launch DeepSpeed ranks on a shard directory and collect their output.
+
+Reads `<shards_dir>/dataset.json` (the train split's files are read by the ranks).
+Writes to `out_dir`:
+
+- `train_config.json`: the resolved train config;
+- `model_config.json`: the `DLRM` constructor arguments (see `training.model`);
+- `launch.json`: the launch spec the ranks read (configs, paths, step plan);
+- `launcher.log`: every line the launcher and its ranks printed;
+- and, from the ranks (see `training.worker`): `train_log.jsonl`, `checkpoints/final/`,
+  `model.safetensors` (consolidated fp32 weights) and `train_summary.json`.
+
+The ranks run as `python -m deepspeed.launcher.runner ... --module training.worker`
+in their own process group, which is killed if this function is interrupted, so
+they are never orphaned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from data_prep.errors import ConfigError, TrainingCrashed
+from training.config import TrainConfig
+from training.data import DatasetMeta, load_dataset_meta, steps_per_epoch
+from training.model import MODEL_CONFIG_FILE, WEIGHTS_FILE, model_config_from
+
+PROGRESS_PREFIX = "RECFORGE_PROGRESS "
+ERROR_PREFIX = "RECFORGE_ERROR "
+LAUNCH_FILE = "launch.json"
+TRAIN_CONFIG_FILE = "train_config.json"
+TRAIN_LOG_FILE = "train_log.jsonl"
+SUMMARY_FILE = "train_summary.json"
+LAUNCHER_LOG_FILE = "launcher.log"
+CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_TAG = "final"
+TRAIN_SPLIT = "train"
+
+_TAIL_LINES = 20
+_KILL_GRACE_S = 10.0
+# The package root, put on the ranks' PYTHONPATH so they import this very `training`.
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a training run produced.
+
+    Attributes:
+        out_dir: The output directory (weights in `out_dir / "model.safetensors"`).
+        final_loss: Mean train loss over the last logging window, averaged over ranks.
+        steps: Optimizer steps taken.
+        samples_per_s: Training throughput over all ranks.
+        seconds: Wall-clock seconds of the whole launch, process start-up included.
+    """
+
+    out_dir: Path
+    final_loss: float
+    steps: int
+    samples_per_s: float
+    seconds: float
+
+
+def plan_total_steps(config: TrainConfig, meta: DatasetMeta) -> int:
+    """Optimizer steps of a run: `max_steps` if set, else from `epochs` and the train rows.
+
+    Args:
+        config: The train config.
+        meta: The dataset description.
+
+    Returns:
+        Number of optimizer steps (>= 1).
+
+    Raises:
+        ConfigError: The train split is too small for one optimizer step.
+    """
+    micro_per_epoch = steps_per_epoch(meta, TRAIN_SPLIT, config.world_size, config.batch_size)
+    if micro_per_epoch == 0:
+        raise ConfigError(
+            f"train.batch_size={config.batch_size}: the train split has "
+            f"{meta.split(TRAIN_SPLIT).rows} rows, fewer than one batch per rank for "
+            f"world_size={config.world_size}; lower batch_size or world_size"
+        )
+    if config.max_steps is not None:
+        return config.max_steps
+    total = int(config.epochs * micro_per_epoch) // config.grad_accum_steps
+    if total == 0:
+        raise ConfigError(
+            f"train.epochs={config.epochs}: {config.epochs} x {micro_per_epoch} micro batches "
+            f"is less than one optimizer step of grad_accum_steps={config.grad_accum_steps}; "
+            "raise epochs or lower grad_accum_steps"
+        )
+    return total
+
+
+def build_deepspeed_config(
+    config: TrainConfig, world_size: int, total_steps: int | None = None
+) -> dict[str, Any]:
+    """The DeepSpeed config dict; the only place one is built.
+
+    Args:
+        config: The train config.
+        world_size: Number of ranks (data-parallel degree).
+        total_steps: Optimizer steps of the run; with warmup_steps > 0 the learning rate
+            warms up linearly then decays linearly to 0 at this step (without it, it
+            stays at its peak after warmup).
+
+    Returns:
+        A JSON-able DeepSpeed config.
+    """
+    ds_config: dict[str, Any] = {
+        "train_batch_size": config.global_batch_size(world_size),
+        "train_micro_batch_size_per_gpu": config.batch_size,
+        "gradient_accumulation_steps": config.grad_accum_steps,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": config.lr,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": config.weight_decay,
+                # torch's AdamW: DeepSpeed's fused Adam would be compiled at first use.
+                "torch_adam": True,
+            },
+        },
+        "gradient_clipping": config.grad_clip,
+        "zero_optimization": {"stage": config.zero_stage},
+        "bf16": {"enabled": config.precision == "bf16"},
+        # Progress is reported by the worker; silence DeepSpeed's own step prints.
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if config.warmup_steps > 0:
+        warmup = {
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": config.lr,
+            "warmup_num_steps": config.warmup_steps,
+            "warmup_type": "linear",
+        }
+        if total_steps is None:
+            ds_config["scheduler"] = {"type": "WarmupLR", "params": warmup}
+        else:
+            ds_config["scheduler"] = {
+                "type": "WarmupDecayLR",
+                "params": {**warmup, "total_num_steps": total_steps},
+            }
+    return ds_config
+
+
+def train_model(
+    config: TrainConfig,
+    shards_dir: Path,
+    out_dir: Path,
+    accelerator: Literal["cpu", "cuda"],
+    master_port: int,
+    env: Mapping[str, str],
+    on_log: Callable[[str], None] | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    python: str = sys.executable,
+) -> TrainResult:
+    """Train a CTR model with `config.world_size` DeepSpeed ranks on this machine.
+
+    Args:
+        config: The train config.
+        shards_dir: The shard directory (with dataset.json).
+        out_dir: Output directory; created if missing. Outputs of an earlier run there
+            are replaced.
+        accelerator: "cpu" (gloo, sets DS_ACCELERATOR=cpu for the ranks) or "cuda".
+        master_port: A free TCP port for the ranks' rendezvous.
+        env: The launcher's environment, built by the caller (this library reads none).
+        on_log: Called with every output line of the launcher and the ranks.
+        on_progress: Called with every parsed progress record
+            ({"step", "total_steps", "loss", "samples_per_s", "epoch"}).
+        python: The interpreter that runs the launcher.
+
+    Returns:
+        The run's result.
+
+    Raises:
+        InputNotFoundError: dataset.json or the shard directory is missing.
+        SchemaError: dataset.json is invalid or has no train split.
+        ConfigError: The train split is too small for the config.
+        TrainingCrashed: The launcher or a rank exited non-zero (message has the exit
+            code and the last output lines).
+    """
+    started = time.monotonic()
+    shards_dir = Path(shards_dir).resolve()
+    out_dir = Path(out_dir).resolve()
+    launch_env = _launcher_env(env, accelerator)
+    meta = load_dataset_meta(shards_dir)
+    total_steps = plan_total_steps(config, meta)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (TRAIN_LOG_FILE, SUMMARY_FILE, WEIGHTS_FILE, LAUNCHER_LOG_FILE):
+        (out_dir / stale).unlink(missing_ok=True)
+    model_config = model_config_from(config, meta)
+    spec = {
+        "train_config": config.model_dump(mode="json"),
+        "shards_dir": str(shards_dir),
+        "out_dir": str(out_dir),
+        "model_config": model_config,
+        "ds_config": build_deepspeed_config(config, config.world_size, total_steps),
+        "total_steps": total_steps,
+    }
+    _write_json(out_dir / TRAIN_CONFIG_FILE, spec["train_config"])
+    _write_json(out_dir / MODEL_CONFIG_FILE, model_config)
+    spec_path = out_dir / LAUNCH_FILE
+    _write_json(spec_path, spec)
+
+    command = [
+        python,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(config.world_size),
+        "--master_port",
+        str(master_port),
+        "--module",
+        "training.worker",
+        str(spec_path),
+    ]
+    returncode, tail, rank_errors = _run_launcher(
+        command, launch_env, out_dir / LAUNCHER_LOG_FILE, on_log, on_progress
+    )
+    if returncode != 0:
+        errors = "".join(
+            f"\n  rank {report.get('rank')}: {report.get('error')}" for report in rank_errors
+        )
+        raise TrainingCrashed(
+            f"DeepSpeed launcher exited with code {returncode} (log: "
+            f"{out_dir / LAUNCHER_LOG_FILE}); rank errors, first one first:"
+            f"{errors or ' none reported'}\nlast lines:\n" + "\n".join(tail)
+        )
+    summary_path = out_dir / SUMMARY_FILE
+    if not summary_path.is_file() or not (out_dir / WEIGHTS_FILE).is_file():
+        raise TrainingCrashed(
+            f"the launcher exited 0 but {summary_path} or {out_dir / WEIGHTS_FILE} is "
+            "missing; last lines:\n" + "\n".join(tail)
+        )
+    summary = json.loads(summary_path.read_text())
+    return TrainResult(
+        out_dir=out_dir,
+        final_loss=float(summary["final_loss"]),
+        steps=int(summary["steps"]),
+        samples_per_s=float(summary["samples_per_s"]),
+        seconds=time.monotonic() - started,
+    )
+
+
+def _launcher_env(env: Mapping[str, str], accelerator: str) -> dict[str, str]:
+    """The caller's environment plus what the launcher and ranks need."""
+    launch_env = dict(env)
+    if accelerator == "cpu":
+        launch_env["DS_ACCELERATOR"] = "cpu"
+    elif accelerator != "cuda":
+        raise ConfigError(f"accelerator must be 'cpu' or 'cuda', got {accelerator!r}")
+    paths = [str(_PACKAGE_ROOT), *filter(None, launch_env.get("PYTHONPATH", "").split(":"))]
+    launch_env["PYTHONPATH"] = ":".join(dict.fromkeys(paths))
+    # Progress lines must arrive while training runs, not when a buffer fills.
+    launch_env["PYTHONUNBUFFERED"] = "1"
+    return launch_env
+
+
+def _run_launcher(
+    command: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    on_log: Callable[[str], None] | None,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+) -> tuple[int, list[str], list[dict[str, Any]]]:
+    """Run the launcher in its own process group, streaming its merged output.
+
+    Returns:
+        (exit code, the last output lines, the ranks' error reports in arrival order).
+    """
+    tail: deque[str] = deque(maxlen=_TAIL_LINES)
+    rank_errors: list[dict[str, Any]] = []
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            start_new_session=True,
+        )
+        try:
+            assert process.stdout is not None  # stdout=PIPE above
+            for raw_line in process.stdout:
+                line = raw_line.rstrip("\n")
+                tail.append(line)
+                log_file.write(raw_line)
+                log_file.flush()
+                if on_log is not None:
+                    on_log(line)
+                if on_progress is not None:
+                    progress = _parse_record(line, PROGRESS_PREFIX)
+                    if progress is not None:
+                        on_progress(progress)
+                error = _parse_record(line, ERROR_PREFIX)
+                if error is not None:
+                    rank_errors.append(error)
+            returncode = process.wait()
+        finally:
+            # On success this only reaps stragglers; on an exception or Ctrl-C it stops
+            # the launcher and every rank, which share the launcher's process group.
+            _kill_group(process)
+    return returncode, list(tail), rank_errors
+
+
+def _parse_record(line: str, prefix: str) -> dict[str, Any] | None:
+    """The JSON object after `prefix` in a line, or None."""
+    start = line.find(prefix)
+    if start < 0:
+        return None
+    try:
+        record = json.loads(line[start + len(prefix) :])
+    except json.JSONDecodeError:
+        # Another rank's output can interleave with a record line; skip it.
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _kill_group(process: subprocess.Popen[str]) -> None:
+    """SIGTERM the launcher's process group, then SIGKILL whatever is left of it."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        process.wait()
+        return  # the group is empty: nothing left to stop
+    try:
+        process.wait(timeout=_KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass  # SIGKILL below
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # every member exited on SIGTERM
+    process.wait()
+
+
+def _write_json(path: Path, payload: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
