@@ -112,7 +112,8 @@ def test_exported_onnx_matches_trained_model_without_training_code(first_run):
     net, _ = load_model(train_dir)
     meta = load_dataset_meta(shard_dir)
     sparse, dense = [], []
-    for batch in iter_batches(shard_dir, meta, "test", rank=0, world_size=1, batch_size=1000):
+    # The tiny test split has a few hundred rows; up to 1,000 of them, in batches of 50.
+    for batch in iter_batches(shard_dir, meta, "test", rank=0, world_size=1, batch_size=50):
         sparse.append(batch.sparse.numpy())
         dense.append(batch.dense.numpy())
     sparse = np.concatenate(sparse)[:1000]
@@ -135,7 +136,8 @@ def test_exported_onnx_matches_trained_model_without_training_code(first_run):
         capture_output=True, text=True, check=True, cwd="/",
     )
     max_diff, rows = done.stdout.split()
-    assert int(rows) == len(expected) and float(max_diff) <= 1e-5
+    assert int(rows) == len(expected) >= min(1000, meta.split("test").rows - 50)
+    assert float(max_diff) <= 1e-5
 
 
 def test_cli_prints_run_record_last(first_run, raw_dir):
