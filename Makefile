@@ -20,6 +20,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/recforge run configs/demo.yaml
 
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 
 lint: $(VENV)/.installed

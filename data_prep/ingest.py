@@ -49,7 +49,12 @@ _FLOAT_RE = r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$"
 # Longer digit strings may overflow int64 and are checked one by one.
 _SAFE_INT_CHARS = 18
 _QUARANTINE_SCHEMA = pa.schema(
-    [("source", pa.string()), ("location", pa.string()), ("reason", pa.string()), ("raw", pa.string())]
+    [
+        ("source", pa.string()),
+        ("location", pa.string()),
+        ("reason", pa.string()),
+        ("raw", pa.string()),
+    ]
 )
 _ARROW_TYPES = {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string()}
 

@@ -41,7 +41,10 @@ class PreprocessConfig(BaseModel):
         default=0.1, gt=0.0, lt=1.0, description="Share of events (by time) in the valid split."
     )
     test_fraction: float = Field(
-        default=0.1, gt=0.0, lt=1.0, description="Share of events (latest in time) in the test split."
+        default=0.1,
+        gt=0.0,
+        lt=1.0,
+        description="Share of events (latest in time) in the test split.",
     )
     min_count: int = Field(
         default=2,
@@ -160,9 +163,7 @@ def _batches(files: list[Path], batch_rows: int) -> Iterator[pa.Table]:
 
 def _time_boundaries(files: list[Path], ts_name: str, config: PreprocessConfig) -> tuple[int, int]:
     """Event-count quantiles of time: the first timestamps of valid and test."""
-    ts = np.concatenate(
-        [pq.read_table(p, columns=[ts_name]).column(0).to_numpy() for p in files]
-    )
+    ts = np.concatenate([pq.read_table(p, columns=[ts_name]).column(0).to_numpy() for p in files])
     if len(ts) == 0:
         raise DataError("no clean events to split; check ingest's quarantine report.")
     ts.sort()
@@ -213,7 +214,9 @@ def fit_transform(
     transform: dict = {"sparse": {}, "dense": {}}
     for f in sparse:
         merged = pa.concat_tables(counts[f.name]).group_by("v").aggregate([("v_count", "sum")])
-        keep = merged.filter(pc.greater_equal(merged["v_count_sum"], f.min_count or config.min_count))
+        keep = merged.filter(
+            pc.greater_equal(merged["v_count_sum"], f.min_count or config.min_count)
+        )
         # Most frequent first; ties by value, so the vocabulary is deterministic.
         order = pc.sort_indices(keep, [("v_count_sum", "descending"), ("v", "ascending")])
         values = keep["v"].take(order).to_pylist()
@@ -250,7 +253,9 @@ def apply_transform(transform: dict, schema: SchemaConfig, batch: pa.Table) -> p
     """
     columns = {}
     for name, vocab in transform["sparse"].items():
-        value_set = pa.array(vocab["values"], pa.int64() if vocab["dtype"] == "int64" else pa.string())
+        value_set = pa.array(
+            vocab["values"], pa.int64() if vocab["dtype"] == "int64" else pa.string()
+        )
         position = pc.index_in(batch.column(name), value_set=value_set)
         columns[name] = pc.add(pc.fill_null(position, -1), 1).cast(pa.int64())
     for name, stats in transform["dense"].items():

@@ -18,8 +18,12 @@ class FieldSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(description="Column name in the raw files (CSV header, JSON key, Parquet column).")
-    dtype: Dtype = Field(description="Type the raw text must parse as; rows that do not are quarantined.")
+    name: str = Field(
+        description="Column name in the raw files (CSV header, JSON key, Parquet column)."
+    )
+    dtype: Dtype = Field(
+        description="Type the raw text must parse as; rows that do not are quarantined."
+    )
     role: Role = Field(
         description=(
             "label: the click target; sparse: a categorical id embedded by the model; dense: a "

@@ -33,7 +33,9 @@ class ShardConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     num_train_shards: int = Field(
-        default=4, ge=1, description="Train shards; a multiple of the training world size balances ranks."
+        default=4,
+        ge=1,
+        description="Train shards; a multiple of the training world size balances ranks.",
     )
     num_eval_shards: int = Field(default=2, ge=1, description="Shards for each of valid and test.")
     row_group_size: int = Field(default=65_536, ge=1, description="Rows per Parquet row group.")

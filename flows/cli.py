@@ -28,18 +28,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run the pipeline; prints the run record path last")
     run.add_argument("config", help="pipeline YAML, e.g. configs/demo.yaml")
-    run.add_argument("--root", default="artifacts", help="artifact store root (default ./artifacts)")
+    run.add_argument(
+        "--root", default="artifacts", help="artifact store root (default ./artifacts)"
+    )
     selection = run.add_mutually_exclusive_group()
     selection.add_argument("--from", dest="from_stage", choices=STAGE_NAMES, help="rerun from here")
     selection.add_argument("--only", type=_stages, default=[], help="rerun only these stages (a,b)")
     run.add_argument("--force", type=_stages, default=[], help="rerun these even if cached (a,b)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config field, e.g. --set train.lr=0.01")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set train.lr=0.01",
+    )
 
     generate = commands.add_parser("generate", help="write the synthetic default dataset")
     generate.add_argument("config", help="pipeline YAML with a `generate` section")
-    generate.add_argument("--set", dest="overrides", action="append", default=[],
-                          metavar="KEY=VALUE", help="override a config field")
+    generate.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field",
+    )
 
     serve = commands.add_parser("serve", help="serve the pipeline as a scheduled deployment")
     serve.add_argument("config", help="pipeline YAML")
@@ -91,7 +105,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"recforge: error: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     record = json.loads(Path(path).read_text())
-    metrics = ", ".join(f"{k}={v:.4f}" for k, v in record["metrics"].items() if isinstance(v, float))
+    metrics = ", ".join(
+        f"{k}={v:.4f}" for k, v in record["metrics"].items() if isinstance(v, float)
+    )
     statuses = ", ".join(f"{stage}={info['status']}" for stage, info in record["stages"].items())
     print(f"stages: {statuses}")
     print(f"metrics: {metrics}")
@@ -109,9 +125,11 @@ def _generate(args: argparse.Namespace) -> int:
     if config.generate is None:
         raise ConfigError(f"{args.config} has no `generate` section to make data from.")
     result = generate_logs(config.generate)
-    print(f"wrote {result.num_rows:,} rows ({result.num_malformed:,} malformed) to "
-          f"{result.out_dir}; Bayes-optimal AUC {result.bayes_auc:.4f} "
-          f"(test portion {result.bayes_auc_test:.4f})")
+    print(
+        f"wrote {result.num_rows:,} rows ({result.num_malformed:,} malformed) to "
+        f"{result.out_dir}; Bayes-optimal AUC {result.bayes_auc:.4f} "
+        f"(test portion {result.bayes_auc_test:.4f})"
+    )
     return 0
 
 
@@ -119,21 +137,28 @@ def _serve(args: argparse.Namespace) -> int:
     from flows.config import load_config
 
     config = load_config(args.config)
-    from flows.pipeline import pipeline
+    from prefect import serve
 
-    pipeline.serve(
-        name=args.name or config.name,
-        cron=args.cron,
-        parameters={"params": {"config": args.config, "root": args.root}},
-    )
+    from flows.pipeline import pipeline_deployment
+
+    serve(pipeline_deployment(args.config, args.cron, args.root, args.name or config.name))
     return 0
 
 
 def _ui(args: argparse.Namespace) -> int:
     url = f"http://127.0.0.1:{args.port}"
     print(f"Prefect UI: {url}  (set PREFECT_API_URL={url}/api to send runs there)", flush=True)
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-               "--port", str(args.port)]
+    command = [
+        sys.executable,
+        "-m",
+        "prefect",
+        "server",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+    ]
     return subprocess.call(command)
 
 

@@ -80,7 +80,11 @@ def pipeline(params: RunParams) -> str:
         )
         outputs["preprocess"] = _result(
             preprocess_task(
-                config.preprocess, config.schema_, outputs["ingest"], root, modes["preprocess"],
+                config.preprocess,
+                config.schema_,
+                outputs["ingest"],
+                root,
+                modes["preprocess"],
                 return_state=True,
             )
         )
@@ -92,14 +96,24 @@ def pipeline(params: RunParams) -> str:
         )
         outputs["evaluate"] = _result(
             evaluate_task(
-                config.evaluate, outputs["train"], outputs["shard"], root, modes["evaluate"],
+                config.evaluate,
+                outputs["train"],
+                outputs["shard"],
+                root,
+                modes["evaluate"],
                 return_state=True,
             )
         )
         outputs["export"] = _result(
             export_task(
-                config.export, outputs["train"], outputs["preprocess"], outputs["shard"],
-                outputs["evaluate"], root, modes["export"], return_state=True,
+                config.export,
+                outputs["train"],
+                outputs["preprocess"],
+                outputs["shard"],
+                outputs["evaluate"],
+                root,
+                modes["export"],
+                return_state=True,
             )
         )
     except BaseException as err:  # recorded in the run record, then re-raised
@@ -142,3 +156,15 @@ def build_run_record(
         "model": model,
         **({"error": f"{type(error).__name__}: {error}"} if error is not None else {}),
     }
+
+
+def pipeline_deployment(config: str, cron: str, root: str, name: str):
+    """The pipeline as a scheduled deployment; every RunParams field is settable per run."""
+    return pipeline.to_deployment(
+        name=name,
+        cron=cron,
+        parameters={"params": RunParams(config=config, root=root).model_dump()},
+        description="recforge: ingest -> preprocess -> shard -> train -> evaluate -> export",
+        tags=["recforge"],
+        enforce_parameter_schema=True,  # bad parameters are rejected before a run starts
+    )

@@ -64,7 +64,9 @@ def task_options(backoff_seconds: float = 2.0, retries: int = 3) -> dict[str, An
     }
 
 
-def stage_fingerprint(stage: Stage, section: dict, upstream: list[StageOutput], modules: list[str]) -> str:
+def stage_fingerprint(
+    stage: Stage, section: dict, upstream: list[StageOutput], modules: list[str]
+) -> str:
     """Fingerprint from the config section, upstream fingerprints and the stage's source."""
     code = code_version([_ROOT / m for m in modules])
     return fingerprint(stage, section, [u.fingerprint for u in upstream], code)
@@ -105,7 +107,11 @@ def run_stage(
         if manifest is not None:
             logger.info("%s: cache hit %s", stage, final)
             return StageOutput(
-                stage=stage, status="cached", fingerprint=fp, output=str(final), meta=manifest["meta"]
+                stage=stage,
+                status="cached",
+                fingerprint=fp,
+                output=str(final),
+                meta=manifest["meta"],
             )
         if mode == "reuse":
             raise InputNotFoundError(

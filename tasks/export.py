@@ -23,7 +23,7 @@ def export_task(
     root: str,
     mode: Mode,
 ) -> StageOutput:
-    """Package the trained model (safetensors, ONNX, TorchScript, transform, card) and register it."""
+    """Package the trained model (weights, ONNX, TorchScript, transform, card); register it."""
     upstream = [train, preprocess, shard, evaluate]
     fp = stage_fingerprint("export", config.model_dump(), upstream, MODULES)
 

@@ -34,7 +34,9 @@ def write_csv(path, rows):
 def test_csv_good_rows_typed_and_bad_rows_quarantined_with_reason(tmp_path, schema):
     write_csv(tmp_path / "raw" / "a.csv", GOOD + list(BAD))
     out = tmp_path / "out"
-    result = ingest_logs(IngestConfig(path=str(tmp_path / "raw"), max_bad_fraction=0.9), schema, out)
+    result = ingest_logs(
+        IngestConfig(path=str(tmp_path / "raw"), max_bad_fraction=0.9), schema, out
+    )
 
     assert (result.rows, result.good_rows, result.bad_rows) == (11, 3, 8)
     events = pq.read_table(out / "events")
@@ -84,8 +86,14 @@ def test_empty_input_is_a_data_error(tmp_path, schema):
 
 def test_jsonl_gzip_and_parquet_give_the_same_events(tmp_path, schema):
     records = [
-        {"ts": 1700000000 + i, "user_id": i, "city": f"c{i % 2}", "price": 1.5 * i,
-         "click": i % 2, "p_true": 0.5}
+        {
+            "ts": 1700000000 + i,
+            "user_id": i,
+            "city": f"c{i % 2}",
+            "price": 1.5 * i,
+            "click": i % 2,
+            "p_true": 0.5,
+        }
         for i in range(5)
     ]
     lines = [json.dumps(r) for r in records] + ['{"ts": 17', '{"ts": 1700000009, "user_id": true}']
@@ -97,7 +105,9 @@ def test_jsonl_gzip_and_parquet_give_the_same_events(tmp_path, schema):
 
     cfg = {"max_bad_fraction": 0.5}
     from_json = ingest_logs(IngestConfig(path=str(tmp_path / "j"), **cfg), schema, tmp_path / "o1")
-    from_parquet = ingest_logs(IngestConfig(path=str(tmp_path / "p"), **cfg), schema, tmp_path / "o2")
+    from_parquet = ingest_logs(
+        IngestConfig(path=str(tmp_path / "p"), **cfg), schema, tmp_path / "o2"
+    )
 
     assert from_json.good_rows == from_parquet.good_rows == 5
     assert from_json.bad_rows == 2
@@ -121,3 +131,15 @@ def test_resolve_skips_metadata_and_finds_globs(tmp_path):
     assert [n.rsplit("/", 1)[1] for n in names] == ["part-0.csv", "part-1.csv"]
     described = describe_inputs(str(tmp_path / "d" / "*.csv"))
     assert all(d["size"] > 0 and d["stamp"] for d in described)
+
+
+def test_reads_from_an_fsspec_url(schema, tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    with fs.open("/logs/day=1/a.csv", "w") as handle:
+        handle.write(HEADER + "\n".join(GOOD) + "\n")
+    inputs = resolve_inputs("memory://logs")
+    assert inputs == [("memory:///logs/day=1/a.csv", "csv")]
+    out = ingest_logs(IngestConfig(path="memory://logs"), schema, tmp_path / "out")
+    assert out.good_rows == 3 and out.bad_rows == 0

@@ -50,7 +50,9 @@ def test_time_split_has_no_leakage_and_vocab_fits_on_train_only(tmp_path, schema
 
     prices = np.log1p(train_raw["price"].to_numpy())
     stats = transform["dense"]["price"]
-    assert stats["mean"] == pytest.approx(prices.mean()) and stats["std"] == pytest.approx(prices.std())
+    assert stats["mean"] == pytest.approx(prices.mean()) and stats["std"] == pytest.approx(
+        prices.std()
+    )
     # Transformed train prices are standardised with train statistics.
     assert split["train"]["price"].to_numpy().mean() == pytest.approx(0.0, abs=1e-4)
     assert split["train"]["click"].type == pa.float32()
@@ -60,8 +62,14 @@ def test_time_split_has_no_leakage_and_vocab_fits_on_train_only(tmp_path, schema
 def test_unseen_ids_map_to_oov_zero(tmp_path, schema):
     write_events(tmp_path / "events")
     extra = pa.table(
-        {"ts": [1_700_200_000], "user_id": [999], "city": ["nowhere"], "price": [5.0],
-         "click": [1], "p_true": [0.5]}
+        {
+            "ts": [1_700_200_000],
+            "user_id": [999],
+            "city": ["nowhere"],
+            "price": [5.0],
+            "click": [1],
+            "p_true": [0.5],
+        }
     )
     pq.write_table(extra, tmp_path / "events" / "part-00002.parquet")
     preprocess_events(PreprocessConfig(), schema, tmp_path / "events", tmp_path / "pre")
@@ -74,8 +82,14 @@ def test_a_split_with_no_rows_is_an_error(tmp_path, schema):
     directory = tmp_path / "events"
     directory.mkdir()
     same_time = pa.table(
-        {"ts": [5] * 10, "user_id": list(range(10)), "city": ["a"] * 10, "price": [1.0] * 10,
-         "click": [0, 1] * 5, "p_true": [0.5] * 10}
+        {
+            "ts": [5] * 10,
+            "user_id": list(range(10)),
+            "city": ["a"] * 10,
+            "price": [1.0] * 10,
+            "click": [0, 1] * 5,
+            "p_true": [0.5] * 10,
+        }
     )
     pq.write_table(same_time, directory / "part-00000.parquet")
     with pytest.raises(DataError, match="empty"):
@@ -88,10 +102,10 @@ def test_shards_are_balanced_deterministic_and_complete(tmp_path, schema):
     config = ShardConfig(num_train_shards=4, num_eval_shards=2, row_group_size=50, seed=3)
     a = write_shards(config, tmp_path / "pre", tmp_path / "s1")
     b = write_shards(config, tmp_path / "pre", tmp_path / "s2")
+    assert a.shards == b.shards and a.rows == b.rows
 
-    train_rows = [e for e in json.loads((tmp_path / "s1" / "dataset.json").read_text())
-                  ["splits"]["train"]["files"]]
-    sizes = [e["rows"] for e in train_rows]
+    dataset = json.loads((tmp_path / "s1" / "dataset.json").read_text())
+    sizes = [e["rows"] for e in dataset["splits"]["train"]["files"]]
     assert max(sizes) - min(sizes) <= 1
     assert a.shards["train"][0] == shard_name("train", 0, 4) == "train-00000-of-00004.parquet"
     for name in a.shards["train"]:
@@ -100,13 +114,15 @@ def test_shards_are_balanced_deterministic_and_complete(tmp_path, schema):
     original = pq.read_table(tmp_path / "pre" / "train")
     sharded = pa.concat_tables(pq.read_table(tmp_path / "s1" / n) for n in a.shards["train"])
     key = ["ts", "user_id", "p_true"]
-    assert sorted(zip(*(original[k].to_pylist() for k in key))) == sorted(
-        zip(*(sharded[k].to_pylist() for k in key))
+    assert sorted(zip(*(original[k].to_pylist() for k in key), strict=True)) == sorted(
+        zip(*(sharded[k].to_pylist() for k in key), strict=True)
     )
     # Shuffled: the first shard is not a time-ordered prefix of train.
     first = pq.read_table(tmp_path / "s1" / a.shards["train"][0])["ts"].to_numpy()
     assert not np.all(np.diff(first) >= 0)
-    assert pq.ParquetFile(tmp_path / "s1" / a.shards["train"][0]).metadata.row_group(0).num_rows == 50
+    assert (
+        pq.ParquetFile(tmp_path / "s1" / a.shards["train"][0]).metadata.row_group(0).num_rows == 50
+    )
 
     # Eval shards keep time order and cover the split.
     test = pa.concat_tables(pq.read_table(tmp_path / "s1" / n) for n in a.shards["test"])

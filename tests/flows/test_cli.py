@@ -5,8 +5,18 @@ from flows.cli import build_parser, main
 
 def test_run_flags_parse():
     args = build_parser().parse_args(
-        ["run", "configs/tiny.yaml", "--only", "train,evaluate", "--force", "shard",
-         "--set", "train.lr=0.1", "--set", "train.epochs=2"]
+        [
+            "run",
+            "configs/tiny.yaml",
+            "--only",
+            "train,evaluate",
+            "--force",
+            "shard",
+            "--set",
+            "train.lr=0.1",
+            "--set",
+            "train.epochs=2",
+        ]
     )
     assert args.only == ["train", "evaluate"] and args.force == ["shard"]
     assert args.overrides == ["train.lr=0.1", "train.epochs=2"]
@@ -35,3 +45,20 @@ def test_bad_config_fails_fast_with_one_message(tmp_path, capsys):
 def test_unknown_override_fails_fast(capsys):
     assert main(["run", "configs/tiny.yaml", "--set", "train.lrr=1"]) == 2
     assert "train.lrr" in capsys.readouterr().err
+
+
+def test_serve_builds_a_scheduled_deployment_with_typed_parameters():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import pipeline, pipeline_deployment
+
+    deployment = pipeline_deployment("configs/tiny.yaml", "0 3 * * *", "artifacts", "tiny")
+    assert deployment.name == "tiny"
+    assert deployment.schedules[0].schedule.cron == "0 3 * * *"
+    assert deployment.parameters["params"]["config"] == "configs/tiny.yaml"
+    # The UI form comes from RunParams: stage names are an enum, so typos are rejected.
+    assert deployment.enforce_parameter_schema
+    schema = parameter_schema(pipeline.fn).model_dump()
+    run_params = schema["definitions"]["RunParams"]["properties"]
+    assert {"config", "root", "from_stage", "only", "force", "overrides"} <= set(run_params)
+    assert "evaluate" in str(run_params["from_stage"])

@@ -63,11 +63,14 @@ def test_first_run_runs_all_stages_and_records_metrics(first_run):
         assert out.parent == root / "stages" / stage and (out / "_manifest.json").is_file()
 
 
-def test_second_run_is_all_cached(first_run, raw_dir):
+def test_second_run_is_all_cached_and_shows_as_cached_in_prefect(first_run, raw_dir):
     root, record = first_run
-    again = run(root, raw_dir)
+    params = RunParams(config=TINY, root=str(root), overrides=[f"ingest.path={raw_dir}"])
+    state = pipeline(params, return_state=True)
+    again = json.loads(Path(state.result()).read_text())
     assert statuses(again) == ["cached"] * 6
     assert again["metrics"] == record["metrics"] and again["model"] == record["model"]
+    assert set(task_runs(state).values()) == {("Cached", 1)}
 
 
 def test_from_evaluate_reruns_only_evaluate_and_export(first_run, raw_dir):
@@ -133,7 +136,10 @@ def test_exported_onnx_matches_trained_model_without_training_code(first_run):
     )
     done = subprocess.run(
         [sys.executable, "-c", script, str(model / "model.onnx"), str(root / "sample.npz")],
-        capture_output=True, text=True, check=True, cwd="/",
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
     )
     max_diff, rows = done.stdout.split()
     assert int(rows) == len(expected) >= min(1000, meta.split("test").rows - 50)
@@ -145,9 +151,22 @@ def test_cli_prints_run_record_last(first_run, raw_dir):
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", TINY, "--root", str(root),
-         "--set", f"ingest.path={raw_dir}"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            TINY,
+            "--root",
+            str(root),
+            "--set",
+            f"ingest.path={raw_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     last = done.stdout.strip().splitlines()[-1]
@@ -155,15 +174,18 @@ def test_cli_prints_run_record_last(first_run, raw_dir):
     assert last.endswith("summary.json") and statuses(record) == ["cached"] * 6
 
 
-def task_run_counts(state) -> dict[str, int]:
+def task_runs(state) -> dict[str, tuple[str, int]]:
+    """Task name -> (final state name, run count) of a flow run, read from the Prefect API."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+            flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])
+            )
         )
-    return {r.name.split("-")[0]: r.run_count for r in runs}
+    return {r.name.split("-")[0]: (r.state.name, r.run_count) for r in runs}
 
 
 def test_missing_input_fails_once_without_output(prefect_server, tmp_path):
@@ -172,7 +194,7 @@ def test_missing_input_fails_once_without_output(prefect_server, tmp_path):
     assert state.is_failed()
     with pytest.raises(InputNotFoundError, match="does not exist"):
         state.result()
-    assert task_run_counts(state) == {"ingest": 1}
+    assert task_runs(state) == {"ingest": ("Failed", 1)}
     assert not (tmp_path / "stages" / "ingest").exists()
     record = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
     assert record["status"] == "failed" and record["stages"]["ingest"]["status"] == "failed"
@@ -189,7 +211,7 @@ def test_all_malformed_rows_fail_once_and_keep_quarantine(prefect_server, tmp_pa
     state = pipeline(params, return_state=True)
     with pytest.raises(SchemaError, match="20 of 20 rows"):
         state.result()
-    assert task_run_counts(state) == {"ingest": 1}
+    assert task_runs(state) == {"ingest": ("Failed", 1)}
     ingest_dir = tmp_path / "art" / "stages" / "ingest"
     assert [p for p in ingest_dir.iterdir() if not p.name.startswith(".")] == []
     kept = list((tmp_path / "art" / "failed" / "ingest").glob("*/quarantine/*.parquet"))

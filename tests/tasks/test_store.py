@@ -13,7 +13,9 @@ def test_fingerprint_changes_with_config_inputs_and_code():
     assert base != fingerprint("train", {"lr": 0.1}, ["b"], "code1")
     assert base != fingerprint("train", {"lr": 0.1}, ["a"], "code2")
     # Canonical JSON: key order does not matter.
-    assert fingerprint("s", {"a": 1, "b": 2}, [], "c") == fingerprint("s", {"b": 2, "a": 1}, [], "c")
+    assert fingerprint("s", {"a": 1, "b": 2}, [], "c") == fingerprint(
+        "s", {"b": 2, "a": 1}, [], "c"
+    )
 
 
 def test_publish_writes_manifest_last_and_verifies(tmp_path):
