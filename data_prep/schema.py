@@ -1,8 +1,22 @@
 """The declarative schema of raw behaviour logs.
 
-The schema names every raw column, its type and its role. Types come from here
-and are never inferred from the data; roles tell later stages what a column is
-for (label, sparse id, dense value, event time, oracle, key).
+The schema names every raw column, its type, its role and the transform that
+turns it into a model input. Types come from here and are never inferred from the
+data; roles tell later stages what a column is for:
+
+- ``label``: a target (several labels make a multi-task dataset; the first is primary);
+- ``sparse``: a categorical id, single-valued or multi-hot (a list of ids), embedded by
+  the model; it maps to an index through a vocabulary (``min_count``/``top_k``, index 0
+  is out-of-vocabulary) or by hashing into ``hash_buckets``;
+- ``dense``: a number; ``fill`` -> ``clip`` -> ``log`` -> ``standardize``, or
+  ``bucketize`` into a categorical index;
+- ``timestamp``: event time in unix seconds;
+- ``oracle``: a column only evaluation may read (e.g. synthetic data's true click
+  probability), never a feature;
+- ``key``: kept through the pipeline, never a feature.
+
+``user_key`` and ``item_key`` name the fields (usually sparse features too) that
+identify users and items, for per-user splits and behaviour sequences.
 """
 
 from typing import Literal
@@ -14,7 +28,7 @@ Role = Literal["label", "sparse", "dense", "timestamp", "oracle", "key"]
 
 
 class FieldSpec(BaseModel):
-    """One raw column."""
+    """One raw column and its transform."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -22,36 +36,85 @@ class FieldSpec(BaseModel):
         description="Column name in the raw files (CSV header, JSON key, Parquet column)."
     )
     dtype: Dtype = Field(
-        description="Type the raw text must parse as; rows that do not are quarantined."
+        description="Type the raw value must parse as (of each element, for multi_hot); "
+        "rows that do not are quarantined."
     )
-    role: Role = Field(
-        description=(
-            "label: the click target; sparse: a categorical id embedded by the model; dense: a "
-            "numeric feature; timestamp: event time in unix seconds; oracle: a column only "
-            "evaluation may read (e.g. the true click probability of synthetic data); key: kept "
-            "but never a feature."
-        )
-    )
+    role: Role = Field(description="What the column is for; see the module docstring.")
     required: bool = Field(default=True, description="A missing value quarantines the row.")
-    log: bool = Field(
-        default=False, description="Dense only: apply log1p before standardising (prices, counts)."
+    # sparse
+    multi_hot: bool = Field(
+        default=False,
+        description="Sparse only: the value is a list of ids (a JSON array, a Parquet list, or "
+        "text split on `separator`).",
+    )
+    separator: str = Field(
+        default="|", min_length=1, description="Sparse multi_hot only: separator in text formats."
     )
     min_count: int | None = Field(
         default=None,
         ge=1,
-        description="Sparse only: overrides preprocess.min_count for this feature's vocabulary.",
+        description="Sparse only: ids seen fewer times in train map to the OOV index 0 "
+        "(default preprocess.min_count).",
+    )
+    top_k: int | None = Field(
+        default=None, ge=1, description="Sparse only: keep at most the K most frequent ids."
+    )
+    hash_buckets: int | None = Field(
+        default=None,
+        ge=2,
+        description="Sparse only: hash ids into this many buckets instead of a vocabulary "
+        "(for unbounded id spaces); no OOV row.",
+    )
+    # dense
+    fill: float | None = Field(
+        default=None,
+        description="Dense only: value for a missing entry (default: the train mean, i.e. 0 "
+        "after standardising).",
+    )
+    clip: tuple[float, float] | None = Field(
+        default=None, description="Dense only: clip raw values to [low, high] before log/scale."
+    )
+    log: bool = Field(default=False, description="Dense only: apply log1p(max(x, 0)).")
+    standardize: bool = Field(
+        default=True, description="Dense only: subtract the train mean, divide by the train std."
+    )
+    bucketize: list[float] | None = Field(
+        default=None,
+        min_length=1,
+        description="Dense only: ascending boundaries; the value becomes a categorical bucket "
+        "index (a sparse feature of len(bucketize) + 1 values) instead of a number.",
     )
 
     @model_validator(mode="after")
-    def _role_fits_dtype(self) -> "FieldSpec":
+    def _options_fit_role(self) -> "FieldSpec":
         if self.role in ("label", "timestamp") and self.dtype != "int64":
             raise ValueError(f"field '{self.name}': role {self.role} needs dtype int64")
         if self.role in ("dense", "oracle") and self.dtype == "string":
             raise ValueError(f"field '{self.name}': role {self.role} needs a numeric dtype")
-        if self.log and self.role != "dense":
-            raise ValueError(f"field '{self.name}': log applies to dense fields only")
-        if self.min_count is not None and self.role != "sparse":
-            raise ValueError(f"field '{self.name}': min_count applies to sparse fields only")
+        sparse_options = {
+            "multi_hot": self.multi_hot,
+            "min_count": self.min_count,
+            "top_k": self.top_k,
+            "hash_buckets": self.hash_buckets,
+        }
+        dense_options = {
+            "fill": self.fill,
+            "clip": self.clip,
+            "log": self.log,
+            "bucketize": self.bucketize,
+        }
+        for role, options in (("sparse", sparse_options), ("dense", dense_options)):
+            used = [k for k, v in options.items() if v not in (None, False)]
+            if used and self.role != role:
+                raise ValueError(f"field '{self.name}': {used} apply to {role} fields only")
+        if self.hash_buckets is not None and (self.min_count or self.top_k):
+            raise ValueError(
+                f"field '{self.name}': hash_buckets replaces the vocabulary; drop min_count/top_k"
+            )
+        if self.clip is not None and self.clip[0] > self.clip[1]:
+            raise ValueError(f"field '{self.name}': clip low {self.clip[0]} > high {self.clip[1]}")
+        if self.bucketize is not None and sorted(self.bucketize) != self.bucketize:
+            raise ValueError(f"field '{self.name}': bucketize boundaries must be ascending")
         return self
 
 
@@ -68,21 +131,31 @@ class SchemaConfig(BaseModel):
     max_timestamp: int = Field(
         default=4_102_444_800, description="Largest valid event time (unix seconds, 2100-01-01)."
     )
+    user_key: str | None = Field(
+        default=None, description="Field that identifies the user (per-user splits, sequences)."
+    )
+    item_key: str | None = Field(
+        default=None, description="Field that identifies the item (behaviour sequences)."
+    )
 
     @model_validator(mode="after")
-    def _one_label_one_time(self) -> "SchemaConfig":
+    def _consistent(self) -> "SchemaConfig":
         names = [f.name for f in self.fields]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"duplicate field names: {duplicates}")
-        for role in ("label", "timestamp"):
-            count = sum(f.role == role for f in self.fields)
-            if count != 1:
-                raise ValueError(f"exactly one field must have role {role}, found {count}")
+        if not any(f.role == "label" for f in self.fields):
+            raise ValueError("at least one field must have role label")
+        if sum(f.role == "timestamp" for f in self.fields) != 1:
+            raise ValueError("exactly one field must have role timestamp")
         if not any(f.role in ("sparse", "dense") for f in self.fields):
             raise ValueError("at least one field must have role sparse or dense")
         if sum(f.role == "oracle" for f in self.fields) > 1:
             raise ValueError("at most one field may have role oracle")
+        for key in ("user_key", "item_key"):
+            value = getattr(self, key)
+            if value is not None and value not in names:
+                raise ValueError(f"{key} '{value}' is not one of the fields {names}")
         return self
 
     def by_role(self, role: Role) -> list[FieldSpec]:
@@ -90,8 +163,13 @@ class SchemaConfig(BaseModel):
         return [f for f in self.fields if f.role == role]
 
     @property
+    def labels(self) -> list[FieldSpec]:
+        return self.by_role("label")
+
+    @property
     def label(self) -> FieldSpec:
-        return self.by_role("label")[0]
+        """The primary (first) label."""
+        return self.labels[0]
 
     @property
     def timestamp(self) -> FieldSpec:
