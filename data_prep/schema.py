@@ -41,6 +41,17 @@ class FieldSpec(BaseModel):
     )
     role: Role = Field(description="What the column is for; see the module docstring.")
     required: bool = Field(default=True, description="A missing value quarantines the row.")
+    generated: Literal["row_number"] | None = Field(
+        default=None,
+        description="Timestamp only: not read from the files but numbered by input order (file "
+        "order, then row order), for logs such as Criteo's that are time-ordered but carry no "
+        "time column.",
+    )
+    threshold: float | None = Field(
+        default=None,
+        description="Label only: the raw column is numeric (e.g. a star rating) and the label is "
+        "1 when it is >= threshold, else 0.",
+    )
     # sparse
     multi_hot: bool = Field(
         default=False,
@@ -87,8 +98,18 @@ class FieldSpec(BaseModel):
 
     @model_validator(mode="after")
     def _options_fit_role(self) -> "FieldSpec":
-        if self.role in ("label", "timestamp") and self.dtype != "int64":
-            raise ValueError(f"field '{self.name}': role {self.role} needs dtype int64")
+        if self.role == "timestamp" and self.dtype != "int64":
+            raise ValueError(f"field '{self.name}': role timestamp needs dtype int64")
+        if self.role == "label" and self.dtype != (
+            "int64" if self.threshold is None else "float64"
+        ):
+            raise ValueError(
+                f"field '{self.name}': a label needs dtype int64, or float64 with a threshold"
+            )
+        if self.generated is not None and self.role != "timestamp":
+            raise ValueError(f"field '{self.name}': generated applies to the timestamp only")
+        if self.threshold is not None and self.role != "label":
+            raise ValueError(f"field '{self.name}': threshold applies to labels only")
         if self.role in ("dense", "oracle") and self.dtype == "string":
             raise ValueError(f"field '{self.name}': role {self.role} needs a numeric dtype")
         sparse_options = {
