@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from data_prep.drift import DriftConfig
 from data_prep.errors import ConfigError
 from data_prep.ingest import IngestConfig
 from data_prep.preprocess import PreprocessConfig
@@ -30,6 +31,9 @@ class PipelineConfig(BaseModel):
     )
     schema_: SchemaConfig = Field(alias="schema", description="The raw columns and their roles.")
     ingest: IngestConfig
+    drift: DriftConfig = Field(
+        default=DriftConfig(), description="Dataset checks of ingest against the previous run."
+    )
     preprocess: PreprocessConfig = PreprocessConfig()
     shard: ShardConfig = ShardConfig()
     train: TrainConfig = TrainConfig()

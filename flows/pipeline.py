@@ -76,7 +76,15 @@ def pipeline(params: RunParams) -> str:
     error: BaseException | None = None
     try:
         outputs["ingest"] = _result(
-            ingest_task(config.ingest, config.schema_, root, modes["ingest"], return_state=True)
+            ingest_task(
+                config.ingest,
+                config.schema_,
+                config.drift,
+                config.name,
+                root,
+                modes["ingest"],
+                return_state=True,
+            )
         )
         outputs["preprocess"] = _result(
             preprocess_task(

@@ -1,38 +1,68 @@
-"""Prefect task for the ingest stage."""
+"""Prefect task for the ingest stage, with dataset checks against the previous run."""
 
-from prefect import task
+import json
+from pathlib import Path
+
+from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
+from data_prep.drift import DriftConfig, compare_stats, compute_stats
+from data_prep.errors import DataError
 from data_prep.ingest import IngestConfig, describe_inputs, ingest_logs
 from data_prep.schema import SchemaConfig
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.progress import terminal_progress
+from tasks.store import ArtifactStore
 
-MODULES = ["data_prep/ingest.py", "data_prep/schema.py"]
+MODULES = ["data_prep/ingest.py", "data_prep/schema.py", "data_prep/drift.py"]
+STATS_FILE = "stats.json"
 
 
 @task(name="ingest", **task_options())
-def ingest_task(config: IngestConfig, schema: SchemaConfig, root: str, mode: Mode) -> StageOutput:
-    """Validate raw logs into clean events and a quarantine."""
+def ingest_task(
+    config: IngestConfig,
+    schema: SchemaConfig,
+    drift: DriftConfig,
+    pipeline: str,
+    root: str,
+    mode: Mode,
+) -> StageOutput:
+    """Validate raw logs into clean events and a quarantine; compare with the last run."""
     section = {
         "ingest": config.model_dump(),
         "schema": schema.model_dump(),
+        "drift": drift.model_dump(),
         "inputs": describe_inputs(config.path, config.format),
     }
     fp = stage_fingerprint("ingest", section, [], MODULES)
+    store = ArtifactStore(root)
+    logger = get_run_logger()
 
-    def produce(out_dir):
+    def produce(out_dir: Path) -> dict:
         with terminal_progress("ingest rows", None) as advance:
             result = ingest_logs(config, schema, out_dir, on_progress=advance)
+        findings = _check_drift(store.latest_output(pipeline, "ingest"), out_dir, schema, drift)
+        if findings and drift.policy == "fail":
+            raise DataError(
+                f"dataset drift against the previous run (drift.policy=fail): "
+                f"{'; '.join(f['column'] + ' ' + f['check'] + ' ' + f['detail'] for f in findings)}"
+                ". Check the data, or set drift.policy=warn to accept it."
+            )
+        for finding in findings:
+            logger.warning(
+                "drift: %s %s %s", finding["column"], finding["check"], finding["detail"]
+            )
         return {
             "rows": result.rows,
             "good_rows": result.good_rows,
             "bad_rows": result.bad_rows,
             "bad_fraction": result.bad_fraction,
             "reasons": result.reasons,
+            "drift": findings,
         }
 
     output = run_stage("ingest", fp, mode, root, produce)
+    store.record_latest(pipeline, "ingest", Path(output.output))
     meta = output.meta
     rows = [{"reason": "(clean)", "rows": meta["good_rows"]}] + [
         {"reason": reason, "rows": count} for reason, count in meta["reasons"].items()
@@ -42,4 +72,24 @@ def ingest_task(config: IngestConfig, schema: SchemaConfig, root: str, mode: Mod
         table=rows,
         description=f"Validation: {meta['bad_rows']} of {meta['rows']} rows quarantined.",
     )
+    if meta.get("drift"):
+        create_table_artifact(
+            key="ingest-drift",
+            table=meta["drift"],
+            description="Dataset drift against the previous run",
+        )
     return as_state(output)
+
+
+def _check_drift(
+    previous: Path | None, out_dir: Path, schema: SchemaConfig, drift: DriftConfig
+) -> list[dict]:
+    """Write this run's stats.json; return findings against the previous output's."""
+    if drift.policy == "off":
+        return []
+    stats = compute_stats(out_dir / "events", schema, drift.top_values)
+    (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=1))
+    if previous is None or not (previous / STATS_FILE).exists():
+        return []
+    old = json.loads((previous / STATS_FILE).read_text())
+    return compare_stats(old, stats, drift).findings

@@ -126,6 +126,22 @@ class ArtifactStore:
     def discard(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
+    def latest_output(self, pipeline: str, stage: str) -> Path | None:
+        """The output a stage of this pipeline last published, if it still exists."""
+        pointer = self.root / "latest" / pipeline / f"{stage}.json"
+        if not pointer.exists():
+            return None
+        output = Path(json.loads(pointer.read_text())["output"])
+        return output if output.is_dir() else None
+
+    def record_latest(self, pipeline: str, stage: str, output: Path) -> None:
+        """Point ``latest/<pipeline>/<stage>.json`` at an output, atomically."""
+        pointer = self.root / "latest" / pipeline / f"{stage}.json"
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pointer.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
+        _write_json_durable(tmp, {"output": str(output)})
+        os.replace(tmp, pointer)
+
     def write_run_record(self, run_id: str, record: dict) -> Path:
         path = self.root / "runs" / run_id / "summary.json"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -216,3 +216,22 @@ def test_all_malformed_rows_fail_once_and_keep_quarantine(prefect_server, tmp_pa
     assert [p for p in ingest_dir.iterdir() if not p.name.startswith(".")] == []
     kept = list((tmp_path / "art" / "failed" / "ingest").glob("*/quarantine/*.parquet"))
     assert kept, "the quarantine of a failed ingest is kept for inspection"
+
+
+def test_drift_against_the_previous_run_warns_or_fails_by_policy(first_run, tmp_path):
+    from data_prep.errors import DataError
+
+    root, _ = first_run
+    drifted = tmp_path / "raw"
+    config = load_config(TINY, [f"generate.out={drifted}", "generate.num_cities=2"])
+    generate_logs(config.generate)
+    overrides = [f"ingest.path={drifted}", "drift.policy=fail"]
+    params = RunParams(config=TINY, root=str(root), only=["ingest"], overrides=overrides)
+    state = pipeline(params, return_state=True)
+    with pytest.raises(DataError, match=r"city psi"):
+        state.result()
+
+    warned = run(root, drifted, only=["ingest"], overrides=["drift.policy=warn"])
+    assert warned["status"] == "completed"
+    ingest = json.loads((Path(warned["stages"]["ingest"]["output"]) / "_manifest.json").read_text())
+    assert any(f["column"] == "city" for f in ingest["meta"]["drift"])
