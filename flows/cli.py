@@ -43,6 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config field, e.g. --set train.lr=0.01",
     )
+    run.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="threads that map the data stages over input files (default: Prefect's)",
+    )
+    run.add_argument(
+        "--dask",
+        default=None,
+        metavar="ADDRESS|local:N",
+        help="map the data stages over a Dask cluster: a scheduler address, or local:N for a "
+        "LocalCluster of N worker processes",
+    )
 
     generate = commands.add_parser("generate", help="write the synthetic default dataset")
     generate.add_argument("config", help="pipeline YAML with a `generate` section")
@@ -98,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
         overrides=args.overrides,
     )
     try:
-        path = pipeline(params)
+        path = pipeline.with_options(task_runner=task_runner(args.workers, args.dask))(params)
     except RecforgeError:
         raise
     except Exception as err:  # a failed flow: one line, not a traceback
@@ -114,6 +127,27 @@ def _run(args: argparse.Namespace) -> int:
     print(f"model: {record['model']}")
     print(path)
     return 0
+
+
+def task_runner(workers: int | None, dask: str | None):
+    """Threads by default; a Dask cluster (prefect-dask) when asked for."""
+    if dask is None:
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=workers)
+    from prefect_dask import DaskTaskRunner
+
+    if dask.startswith("local:"):
+        workers = int(dask.removeprefix("local:"))
+        return DaskTaskRunner(
+            cluster_kwargs={
+                "n_workers": workers,
+                "threads_per_worker": 1,
+                "processes": True,
+                "dashboard_address": None,
+            }
+        )
+    return DaskTaskRunner(address=dask)
 
 
 def _generate(args: argparse.Namespace) -> int:

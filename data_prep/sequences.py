@@ -1,0 +1,204 @@
+"""Per-user behaviour sequences for SASRec/BST-style models.
+
+Reads the transformed ``train``/``valid``/``test`` tables (user and item already
+mapped to indices) and writes, under ``out_dir``:
+
+- ``train.parquet``: ``user``, ``history`` (the user's train items, oldest first,
+  the last ``max_length + 1`` of them, so that next-item training has
+  ``max_length`` inputs and targets);
+- ``valid.parquet`` / ``test.parquet``: one row per evaluation event with
+  ``user``, ``history`` (the last ``max_length`` items the user interacted with
+  *before* the event: train items for valid, train + valid items for test),
+  ``target`` (the item) and the event time.
+
+Order within a user is by timestamp, ties broken by the row order of the
+transformed tables, which preprocess writes deterministically. A training
+sequence never holds an evaluation interaction: histories are built from the
+earlier splits only, and ``build_sequences`` checks that each history's events
+precede its target.
+
+Memory is bounded: rows are spilled into partitions by user, and one partition
+at a time is grouped.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from data_prep.errors import DataError
+
+EVAL_SPLITS = ("valid", "test")
+
+
+@dataclass(frozen=True)
+class SequenceResult:
+    """What build_sequences wrote."""
+
+    out_dir: Path
+    users: int
+    rows: dict[str, int]
+
+
+def build_sequences(
+    split_dirs: dict[str, Path],
+    user: str,
+    item: str,
+    timestamp: str,
+    max_length: int,
+    out_dir: Path,
+    partition_rows: int = 2_000_000,
+) -> SequenceResult:
+    """Write train sequences and evaluation (history, target) rows.
+
+    Args:
+        split_dirs: ``{"train": dir, "valid": dir, "test": dir}`` of transformed Parquet.
+        user: the user index column.
+        item: the item index column.
+        timestamp: the event time column.
+        max_length: the longest history kept.
+        out_dir: where the three Parquet files go.
+        partition_rows: rows per spill partition; bounds memory.
+
+    Returns:
+        Users with a train sequence and rows per output.
+
+    Raises:
+        DataError: an evaluation event is not later than the history it is given.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    total = sum(_rows(split_dirs[s]) for s in ("train", *EVAL_SPLITS))
+    partitions = max(1, -(-total // partition_rows))
+    spill = out_dir / ".spill"
+    _spill_by_user(split_dirs, user, item, timestamp, partitions, spill)
+
+    writers: dict[str, pq.ParquetWriter] = {}
+    rows = dict.fromkeys(("train", *EVAL_SPLITS), 0)
+    users = 0
+    try:
+        for part in range(partitions):
+            path = spill / f"{part}.parquet"
+            if not path.exists():
+                continue
+            outputs = _sequences_of_partition(pq.read_table(path), max_length)
+            users += outputs["train"].num_rows
+            for name, table in outputs.items():
+                if name not in writers:
+                    writers[name] = pq.ParquetWriter(out_dir / f"{name}.parquet", table.schema)
+                writers[name].write_table(table)
+                rows[name] += table.num_rows
+    finally:
+        for writer in writers.values():
+            writer.close()
+    for path in spill.glob("*.parquet"):
+        path.unlink()
+    spill.rmdir()
+    (out_dir / "sequences.json").write_text(
+        json.dumps({"max_length": max_length, "users": users, "rows": rows}, indent=2)
+    )
+    return SequenceResult(out_dir=out_dir, users=users, rows=rows)
+
+
+def _rows(directory: Path) -> int:
+    return sum(
+        pq.ParquetFile(p).metadata.num_rows for p in sorted(Path(directory).glob("*.parquet"))
+    )
+
+
+def _spill_by_user(
+    split_dirs: dict[str, Path], user: str, item: str, ts: str, partitions: int, spill: Path
+) -> None:
+    spill.mkdir()
+    writers: dict[int, pq.ParquetWriter] = {}
+    order = 0
+    try:
+        for split_code, split in enumerate(("train", *EVAL_SPLITS)):
+            for path in sorted(Path(split_dirs[split]).glob("*.parquet")):
+                for batch in pq.ParquetFile(path).iter_batches(columns=[user, item, ts]):
+                    n = batch.num_rows
+                    table = pa.table(
+                        {
+                            "user": batch.column(user).cast(pa.int64()),
+                            "item": batch.column(item).cast(pa.int64()),
+                            "ts": batch.column(ts).cast(pa.int64()),
+                            "split": pa.array(np.full(n, split_code, np.int8)),
+                            # Global row order breaks timestamp ties deterministically.
+                            "order": pa.array(np.arange(order, order + n, dtype=np.int64)),
+                        }
+                    )
+                    order += n
+                    part_of = table.column("user").to_numpy() % partitions
+                    for part in np.unique(part_of):
+                        piece = table.filter(pa.array(part_of == part))
+                        if part not in writers:
+                            writers[part] = pq.ParquetWriter(
+                                spill / f"{part}.parquet", piece.schema
+                            )
+                        writers[part].write_table(piece)
+    finally:
+        for writer in writers.values():
+            writer.close()
+
+
+def _sequences_of_partition(table: pa.Table, max_length: int) -> dict[str, pa.Table]:
+    """Group one partition's events by user, in time order."""
+    table = table.take(
+        pc.sort_indices(table, [("user", "ascending"), ("ts", "ascending"), ("order", "ascending")])
+    )
+    users = table.column("user").to_numpy()
+    items = table.column("item").to_numpy()
+    ts = table.column("ts").to_numpy()
+    split = table.column("split").to_numpy()
+    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
+    ends = np.r_[starts[1:], len(users)]
+
+    train = {"user": [], "history": []}
+    evals = {s: {"user": [], "history": [], "target": [], "ts": []} for s in EVAL_SPLITS}
+    for start, end in zip(starts, ends, strict=True):
+        u_items, u_ts, u_split = items[start:end], ts[start:end], split[start:end]
+        in_train = u_split == 0
+        train_items = u_items[in_train]
+        if len(train_items):
+            train["user"].append(int(users[start]))
+            train["history"].append(train_items[-(max_length + 1) :].tolist())
+        for code, name in enumerate(EVAL_SPLITS, start=1):
+            # Valid events see train history; test events see train + valid history.
+            allowed = u_split < code
+            for i in np.flatnonzero(u_split == code):
+                later = np.flatnonzero(allowed[i + 1 :] & (u_ts[i + 1 :] > u_ts[i]))
+                if len(later):
+                    raise DataError(
+                        f"user {users[start]}: an earlier-split event at "
+                        f"{u_ts[i + 1 + later[0]]} is later than its {name} event at {u_ts[i]}; "
+                        "the split leaks future interactions into training sequences."
+                    )
+                history = np.flatnonzero(allowed[:i])
+                evals[name]["user"].append(int(users[start]))
+                evals[name]["history"].append(u_items[history[-max_length:]].tolist())
+                evals[name]["target"].append(int(u_items[i]))
+                evals[name]["ts"].append(int(u_ts[i]))
+    history_type = pa.list_(pa.int64())
+    out = {
+        "train": pa.table(
+            {
+                "user": pa.array(train["user"], pa.int64()),
+                "history": pa.array(train["history"], history_type),
+            }
+        )
+    }
+    for name in EVAL_SPLITS:
+        cols = evals[name]
+        out[name] = pa.table(
+            {
+                "user": pa.array(cols["user"], pa.int64()),
+                "history": pa.array(cols["history"], history_type),
+                "target": pa.array(cols["target"], pa.int64()),
+                "ts": pa.array(cols["ts"], pa.int64()),
+            }
+        )
+    return out

@@ -1,0 +1,81 @@
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from data_prep.errors import DataError
+from data_prep.sequences import build_sequences
+
+
+def write_splits(tmp_path, rows):
+    """rows: (split, user, item, ts) tuples."""
+    dirs = {}
+    for split in ("train", "valid", "test"):
+        part = [r for r in rows if r[0] == split]
+        dirs[split] = tmp_path / split
+        dirs[split].mkdir()
+        pq.write_table(
+            pa.table(
+                {
+                    "user_id": pa.array([r[1] for r in part], pa.int64()),
+                    "item_id": pa.array([r[2] for r in part], pa.int64()),
+                    "ts": pa.array([r[3] for r in part], pa.int64()),
+                }
+            ),
+            dirs[split] / "part-00000.parquet",
+        )
+    return dirs
+
+
+ROWS = [
+    ("train", 1, 10, 100),
+    ("train", 1, 11, 100),  # same timestamp: input order decides
+    ("train", 1, 12, 105),
+    ("train", 1, 13, 106),
+    ("valid", 1, 14, 110),
+    ("test", 1, 15, 120),
+    ("train", 2, 20, 50),
+    ("test", 2, 21, 60),
+]
+
+
+@pytest.mark.parametrize("partition_rows", [1, 1000])
+def test_histories_are_time_ordered_and_never_hold_later_splits(tmp_path, partition_rows):
+    dirs = write_splits(tmp_path, ROWS)
+    result = build_sequences(
+        dirs,
+        "user_id",
+        "item_id",
+        "ts",
+        max_length=2,
+        out_dir=tmp_path / "seq",
+        partition_rows=partition_rows,
+    )
+    assert result.users == 2 and result.rows == {"train": 2, "valid": 1, "test": 2}
+    train = {
+        r["user"]: r["history"]
+        for r in pq.read_table(tmp_path / "seq" / "train.parquet").to_pylist()
+    }
+    assert train == {1: [11, 12, 13], 2: [20]}  # last max_length + 1 train items
+    valid = pq.read_table(tmp_path / "seq" / "valid.parquet").to_pylist()
+    assert valid == [{"user": 1, "history": [12, 13], "target": 14, "ts": 110}]
+    test = {r["user"]: r for r in pq.read_table(tmp_path / "seq" / "test.parquet").to_pylist()}
+    assert test[1]["history"] == [13, 14] and test[1]["target"] == 15
+    assert test[2]["history"] == [20] and test[2]["target"] == 21
+
+
+def test_a_train_event_after_a_test_event_is_a_leak(tmp_path):
+    leaky = [*ROWS, ("train", 2, 22, 70)]
+    with pytest.raises(DataError, match="leaks"):
+        build_sequences(
+            write_splits(tmp_path, leaky), "user_id", "item_id", "ts", 5, tmp_path / "s"
+        )
+
+
+def test_ties_are_ordered_the_same_way_every_time(tmp_path):
+    dirs = write_splits(tmp_path, ROWS)
+    build_sequences(dirs, "user_id", "item_id", "ts", 3, tmp_path / "a")
+    build_sequences(dirs, "user_id", "item_id", "ts", 3, tmp_path / "b", partition_rows=1)
+    for name in ("train", "valid", "test"):
+        assert pq.read_table(tmp_path / "a" / f"{name}.parquet").equals(
+            pq.read_table(tmp_path / "b" / f"{name}.parquet")
+        )
