@@ -1,38 +1,57 @@
 """Ingest: raw behaviour logs -> clean typed events + quarantine.
 
 Reads the files named by ``ingest.path`` (a file, directory, glob or fsspec URL;
-CSV, TSV, JSONL or Parquet, optionally gzip/zstd/bz2 compressed), parses every
-column with the type the schema declares (never inferred), and splits rows into
+CSV/TSV with or without a header and with any delimiter, JSONL or Parquet,
+optionally gzip/zstd/bz2 compressed; see ``data_prep.readers``), types every column
+as the schema declares (never inferred), and writes
 
-- ``events/part-NNNNN.parquet``: well-formed rows, typed, schema column order;
-- ``quarantine/part-NNNNN.parquet``: bad rows with ``source``, ``location``,
-  ``reason`` and the ``raw`` content, so nothing is silently dropped;
-- ``validation.json``: row counts per file and per reason, and examples.
+- ``events/part-<file>-<k>.parquet``: well-formed rows, typed, in schema column order
+  and input order (a multi-hot field as ``list<int64>``/``list<string>``, a thresholded
+  label as int64 0/1, a generated timestamp as the global record number);
+- ``quarantine/part-<file>-<k>.parquet``: bad rows with ``source``, ``location``,
+  ``reason``, the ``raw`` content and the global ``record`` number, so nothing is
+  silently dropped;
+- ``validation.json``: row counts in total, per reason and per file, and examples.
 
-Every batch is read as text and validated column by column with vectorised
-pyarrow kernels, so one bad value costs one quarantined row, not a failed read.
-Memory is bounded by ``batch_rows``.
+Each bad row carries the first failed check, fields in schema order, e.g.
+``not_int64:user_id``, ``invalid_utf8:city``, ``duplicate_row``. Besides type and
+range checks:
+
+- a row whose schema columns all equal those of an earlier row of the same file is a
+  ``duplicate_row``; the first is kept. Values compare typed (``4.0`` equals ``4.00``; a
+  thresholded label by its raw number; a generated timestamp not at all). Duplicates
+  across files are not detected, so memory stays bounded per file: 8 bytes per distinct
+  row, a 64-bit row hash (two different rows share one with probability about
+  rows**2 / 2**65);
+- a file whose bytes equal an earlier input file's is a replay: all its records are
+  quarantined as ``duplicate_file:<earlier file>`` without parsing it.
+
+The work is one call of ``ingest_file`` per input file (each writes its own parts)
+and ``combine_reports`` over their reports, so that a task runner can map over files;
+``ingest_logs`` runs them in order. The output is the same bytes for the same input,
+whatever pyarrow's thread count.
 """
 
+import hashlib
 import json
 import posixpath
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_prep.errors import DataError, InputNotFoundError, SchemaError
+from data_prep.readers import Format, TextBatch, read_batches
 from data_prep.schema import FieldSpec, SchemaConfig
-
-Format = Literal["csv", "tsv", "jsonl", "parquet"]
 
 _EXTENSIONS: dict[str, Format] = {
     ".csv": "csv",
@@ -45,15 +64,18 @@ _EXTENSIONS: dict[str, Format] = {
 }
 _COMPRESSIONS = (".gz", ".zst", ".bz2")
 _INT_RE = r"^\s*[+-]?\d+\s*$"
-_FLOAT_RE = r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$"
+# nan and inf are floats, so they fail as not_finite rather than not_float64.
+_FLOAT_RE = r"^\s*[+-]?((\d+\.?\d*|\.\d+)(e[+-]?\d+)?|nan|inf|infinity)\s*$"
 # Longer digit strings may overflow int64 and are checked one by one.
 _SAFE_INT_CHARS = 18
-_QUARANTINE_SCHEMA = pa.schema(
+_EXAMPLES = 5
+QUARANTINE_SCHEMA = pa.schema(
     [
-        ("source", pa.string()),
-        ("location", pa.string()),
-        ("reason", pa.string()),
-        ("raw", pa.string()),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("location", pa.string(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("raw", pa.string(), nullable=False),
+        pa.field("record", pa.int64(), nullable=False),
     ]
 )
 _ARROW_TYPES = {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string()}
@@ -68,6 +90,17 @@ class IngestConfig(BaseModel):
     format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = Field(
         default="auto", description="File format; auto picks it from each file's extension."
     )
+    header: bool = Field(
+        default=True,
+        description="CSV/TSV: the first line names the columns. Without a header the columns "
+        "are the schema fields in order (generated fields excluded).",
+    )
+    delimiter: str | None = Field(
+        default=None,
+        min_length=1,
+        description="CSV/TSV field delimiter (default ',' for csv, tab for tsv). It may be "
+        "several characters, such as MovieLens '::'; quoting is then off.",
+    )
     max_bad_fraction: float = Field(
         default=0.01,
         ge=0.0,
@@ -78,6 +111,16 @@ class IngestConfig(BaseModel):
     rows_per_file: int = Field(
         default=1_000_000, ge=1, description="Clean rows per output Parquet file."
     )
+
+    @field_validator("delimiter")
+    @classmethod
+    def _delimiter_is_usable(cls, value: str | None) -> str | None:
+        if value is not None and any(ch in value for ch in '\r\n"\x1d\x1e\x1f'):
+            raise ValueError(
+                f"delimiter {value!r} may not contain a newline, a double quote or the control "
+                "characters \\x1d-\\x1f"
+            )
+        return value
 
 
 @dataclass(frozen=True)
@@ -96,6 +139,37 @@ class IngestResult:
         return self.bad_rows / self.rows if self.rows else 0.0
 
 
+@dataclass(frozen=True)
+class FileReport:
+    """What ingesting one input file wrote.
+
+    Attributes:
+        path: the input file.
+        part: its index among the inputs; its outputs are named ``part-<part>-<k>``.
+        record_offset: records of the inputs before it (its first global record number).
+        rows: its records, quarantined ones included.
+        good_rows: records written to events.
+        reasons: quarantined records per reason.
+        examples: the first few quarantined rows.
+        files: output files, relative to the ingest output directory.
+        duplicate_of: the earlier input file with the same bytes, for a replayed file.
+    """
+
+    path: str
+    part: int
+    record_offset: int
+    rows: int
+    good_rows: int
+    reasons: dict[str, int]
+    examples: list[dict]
+    files: list[str]
+    duplicate_of: str | None = None
+
+    @property
+    def bad_rows(self) -> int:
+        return self.rows - self.good_rows
+
+
 def resolve_inputs(path: str, fmt: str = "auto") -> list[tuple[str, Format]]:
     """Expand ``path`` into (url, format) pairs, sorted by name.
 
@@ -107,8 +181,12 @@ def resolve_inputs(path: str, fmt: str = "auto") -> list[tuple[str, Format]]:
         SchemaError: a file's format cannot be told from its extension.
     """
     fs, root = fsspec.core.url_to_fs(path)
+    base = root
     if any(ch in root for ch in "*?["):
         candidates = sorted(fs.glob(root))
+        # Metadata names are looked for below the glob's first wildcard segment.
+        parts = root.split("/")
+        base = "/".join(parts[: next(i for i, p in enumerate(parts) if any(c in p for c in "*?["))])
     elif fs.isdir(root):
         candidates = sorted(fs.find(root))
     elif fs.isfile(root):
@@ -120,7 +198,7 @@ def resolve_inputs(path: str, fmt: str = "auto") -> list[tuple[str, Format]]:
         )
     files = []
     for name in candidates:
-        if any(part.startswith(("_", ".")) for part in name[len(root) :].split("/") if part):
+        if any(part.startswith(("_", ".")) for part in name[len(base) :].split("/") if part):
             continue
         if fs.isdir(name):
             continue
@@ -161,6 +239,27 @@ def _detect_format(name: str, fmt: str) -> Format:
     return _EXTENSIONS[ext]
 
 
+def event_schema(schema: SchemaConfig) -> pa.Schema:
+    """The Arrow schema of the clean events ingest writes for ``schema``."""
+    fields = []
+    for spec in schema.fields:
+        kind = pa.int64() if spec.threshold is not None else _ARROW_TYPES[spec.dtype]
+        if spec.multi_hot:
+            kind = pa.list_(kind)
+        nullable = not spec.required and spec.generated is None
+        fields.append(pa.field(spec.name, kind, nullable=nullable))
+    return pa.schema(fields)
+
+
+def file_digest(url: str) -> str:
+    """sha256 of a file's stored bytes (compressed files are not decompressed)."""
+    digest = hashlib.sha256()
+    with fsspec.open(url, "rb") as handle:
+        while block := handle.read(1 << 23):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def ingest_logs(
     config: IngestConfig,
     schema: SchemaConfig,
@@ -168,6 +267,9 @@ def ingest_logs(
     on_progress: Callable[[int], None] | None = None,
 ) -> IngestResult:
     """Validate raw logs into typed events and a quarantine.
+
+    Files are ingested one after another in the order ``resolve_inputs`` gives, then
+    their reports are combined.
 
     Args:
         config: the ingest section.
@@ -187,41 +289,207 @@ def ingest_logs(
     inputs = resolve_inputs(config.path, config.format)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    events = _RollingWriter(out_dir / "events", _typed_schema(schema), config.rows_per_file)
-    quarantine = _RollingWriter(out_dir / "quarantine", _QUARANTINE_SCHEMA, config.rows_per_file)
+    originals = find_replays([url for url, _ in inputs])
+    global_numbers = numbers_records_globally(schema)
+    reports: list[FileReport] = []
+    offset = 0
+    for part, (url, fmt) in enumerate(inputs):
+        start = offset if global_numbers else 0
+        if originals[part] is not None:
+            report = quarantine_replayed_file(
+                config, url, reports[originals[part]], out_dir, part, start
+            )
+        else:
+            progress = None
+            if on_progress is not None:
+                done = offset
+
+                def progress(rows: int, done: int = done) -> None:
+                    on_progress(done + rows)
+
+            report = ingest_file(config, schema, url, fmt, out_dir, part, start, progress)
+        reports.append(report)
+        offset += report.rows
+    return combine_reports(config, out_dir, reports)
+
+
+def numbers_records_globally(schema: SchemaConfig) -> bool:
+    """Whether record numbers run across files (a generated timestamp needs file order).
+
+    Otherwise each file numbers its records from 1, so files can be ingested in any
+    order, in parallel, with the same output.
+    """
+    return any(f.generated for f in schema.fields)
+
+
+def find_replays(urls: list[str]) -> list[int | None]:
+    """For each file, the index of an earlier file with the same bytes, or None.
+
+    Only files of equal size are hashed.
+    """
+    finder = _ReplayFinder()
+    found: list[int | None] = []
+    for i, url in enumerate(urls):
+        found.append(
+            next(
+                (j for j in range(i) if found[j] is None and finder.same_bytes(urls[j], url)),
+                None,
+            )
+        )
+    return found
+
+
+def ingest_file(
+    config: IngestConfig,
+    schema: SchemaConfig,
+    url: str,
+    fmt: Format,
+    out_dir: Path,
+    part: int,
+    record_offset: int = 0,
+    on_progress: Callable[[int], None] | None = None,
+) -> FileReport:
+    """Validate one raw file into ``events/part-<part>-*`` and ``quarantine/part-<part>-*``.
+
+    Args:
+        config: the ingest section (reading options, batch and output file sizes).
+        schema: the raw columns and their types.
+        url: the file.
+        fmt: its format.
+        out_dir: the ingest output directory (shared by every file).
+        part: the file's index among the inputs, naming its output files.
+        record_offset: records of the inputs before this one; a generated timestamp
+            is ``record_offset`` + the record's number in this file.
+        on_progress: called with the number of this file's records read so far.
+
+    Returns:
+        The file's counts, examples and output files.
+
+    Raises:
+        SchemaError: a schema column is missing from the file.
+    """
+    out_dir = Path(out_dir)
+    name = f"part-{part:05d}"
+    events = _RollingWriter(out_dir / "events", name, event_schema(schema), config.rows_per_file)
+    quarantine = _RollingWriter(
+        out_dir / "quarantine", name, QUARANTINE_SCHEMA, config.rows_per_file
+    )
+    read_fields = [f for f in schema.fields if f.generated is None]
+    seen = _SeenRows()
     reasons: Counter[str] = Counter()
     examples: list[dict] = []
-    per_file = []
-    total = 0
+    rows = good_rows = 0
     try:
-        for url, fmt in inputs:
-            file_rows = file_bad = 0
-            for batch, bad in _read_batches(url, fmt, schema, config.batch_rows):
-                good, rejected = validate_batch(batch, schema, source=url, offset=file_rows)
-                file_rows += batch.num_rows + bad.num_rows
-                rejected = pa.concat_tables([bad, rejected])
-                file_bad += rejected.num_rows
-                events.write(good)
-                quarantine.write(rejected)
-                reasons.update(rejected.column("reason").to_pylist())
-                if len(examples) < 5 and rejected.num_rows:
-                    examples.extend(rejected.slice(0, 5 - len(examples)).to_pylist())
-                if on_progress:
-                    on_progress(total + file_rows)
-            total += file_rows
-            per_file.append({"path": url, "rows": file_rows, "bad_rows": file_bad})
+        for batch in read_batches(
+            url,
+            fmt,
+            read_fields,
+            header=config.header,
+            delimiter=config.delimiter,
+            batch_rows=config.batch_rows,
+        ):
+            good, bad = validate_batch(batch, schema, url, record_offset, seen)
+            events.write(good)
+            quarantine.write(bad)
+            rows += batch.num_records
+            good_rows += good.num_rows
+            reasons.update(bad.column("reason").to_pylist())
+            if len(examples) < _EXAMPLES and bad.num_rows:
+                examples.extend(bad.slice(0, _EXAMPLES - len(examples)).to_pylist())
+            if on_progress:
+                on_progress(rows)
     finally:
         events.close()
         quarantine.close()
+    return FileReport(
+        path=url,
+        part=part,
+        record_offset=record_offset,
+        rows=rows,
+        good_rows=good_rows,
+        reasons=_sorted_counts(reasons),
+        examples=examples,
+        files=[str(p.relative_to(out_dir)) for p in events.paths + quarantine.paths],
+    )
 
-    bad_rows = sum(reasons.values())
+
+def quarantine_replayed_file(
+    config: IngestConfig,
+    url: str,
+    original: FileReport,
+    out_dir: Path,
+    part: int,
+    record_offset: int = 0,
+) -> FileReport:
+    """Quarantine every record of a replayed file (same bytes as ``original``) unparsed.
+
+    The file has as many records as the original, so the global record numbers of
+    later files do not depend on whether the replay was caught.
+
+    Returns:
+        The file's report: every record bad, reason ``duplicate_file:<original path>``.
+    """
+    out_dir = Path(out_dir)
+    reason = f"duplicate_file:{original.path}"
+    raw = f"same bytes as {original.path}"
+    writer = _RollingWriter(
+        out_dir / "quarantine", f"part-{part:05d}", QUARANTINE_SCHEMA, config.rows_per_file
+    )
+    examples: list[dict] = []
+    try:
+        for start in range(0, original.rows, config.batch_rows):
+            stop = min(start + config.batch_rows, original.rows)
+            numbers = np.arange(start, stop, dtype=np.int64)
+            table = pa.table(
+                {
+                    "source": pa.array([url] * len(numbers), pa.string()),
+                    "location": pa.array([f"record {i + 1}" for i in numbers], pa.string()),
+                    "reason": pa.array([reason] * len(numbers), pa.string()),
+                    "raw": pa.array([raw] * len(numbers), pa.string()),
+                    "record": pa.array(record_offset + numbers),
+                }
+            )
+            writer.write(table)
+            if len(examples) < _EXAMPLES:
+                examples.extend(table.slice(0, _EXAMPLES - len(examples)).to_pylist())
+    finally:
+        writer.close()
+    return FileReport(
+        path=url,
+        part=part,
+        record_offset=record_offset,
+        rows=original.rows,
+        good_rows=0,
+        reasons={reason: original.rows} if original.rows else {},
+        examples=examples,
+        files=[str(p.relative_to(out_dir)) for p in writer.paths],
+        duplicate_of=original.path,
+    )
+
+
+def combine_reports(config: IngestConfig, out_dir: Path, reports: list[FileReport]) -> IngestResult:
+    """Write ``validation.json`` from the per-file reports and check the bad fraction.
+
+    Raises:
+        DataError: the files hold no rows at all.
+        SchemaError: more than ``max_bad_fraction`` of the rows were quarantined.
+    """
+    out_dir = Path(out_dir)
+    reports = sorted(reports, key=lambda r: r.part)
+    reasons: Counter[str] = Counter()
+    for report in reports:
+        reasons.update(report.reasons)
+    examples = [e for r in reports for e in r.examples][:_EXAMPLES]
+    total = sum(r.rows for r in reports)
+    good_rows = sum(r.good_rows for r in reports)
+    files = [f for r in reports for f in r.files]
     result = IngestResult(
         out_dir=out_dir,
         rows=total,
-        good_rows=total - bad_rows,
-        bad_rows=bad_rows,
-        reasons=dict(reasons.most_common()),
-        files=[str(p.relative_to(out_dir)) for p in events.paths + quarantine.paths],
+        good_rows=good_rows,
+        bad_rows=total - good_rows,
+        reasons=_sorted_counts(reasons),
+        files=sorted(files, key=lambda f: (not f.startswith("events/"), f)),
     )
     report = {
         "rows": result.rows,
@@ -230,7 +498,17 @@ def ingest_logs(
         "bad_fraction": result.bad_fraction,
         "max_bad_fraction": config.max_bad_fraction,
         "reasons": result.reasons,
-        "files": per_file,
+        "files": [
+            {
+                "path": r.path,
+                "rows": r.rows,
+                "good_rows": r.good_rows,
+                "bad_rows": r.bad_rows,
+                "reasons": r.reasons,
+                "duplicate_of": r.duplicate_of,
+            }
+            for r in reports
+        ],
         "examples": examples,
     }
     (out_dir / "validation.json").write_text(json.dumps(report, indent=2))
@@ -240,25 +518,51 @@ def ingest_logs(
         top = ", ".join(f"{r} ({n})" for r, n in list(result.reasons.items())[:5])
         first = examples[0]
         raise SchemaError(
-            f"{bad_rows} of {total} rows ({result.bad_fraction:.1%}) failed validation, above "
-            f"ingest.max_bad_fraction={config.max_bad_fraction}. Top reasons: {top}. First bad "
-            f"row: {first['source']} {first['location']}: {first['reason']}: "
+            f"{result.bad_rows} of {total} rows ({result.bad_fraction:.1%}) failed validation, "
+            f"above ingest.max_bad_fraction={config.max_bad_fraction}. Top reasons: {top}. "
+            f"First bad row: {first['source']} {first['location']}: {first['reason']}: "
             f"{first['raw'][:200]}. Fix the schema or the data, or raise ingest.max_bad_fraction."
         )
     return result
 
 
-def _typed_schema(schema: SchemaConfig) -> pa.Schema:
-    return pa.schema(
-        [pa.field(f.name, _ARROW_TYPES[f.dtype], nullable=not f.required) for f in schema.fields]
-    )
+def _sorted_counts(counts: Counter[str]) -> dict[str, int]:
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+class _ReplayFinder:
+    """Finds an earlier input file with the same bytes; hashes only files of equal size."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[str, int | None] = {}
+        self._digests: dict[str, str] = {}
+
+    def same_bytes(self, first: str, second: str) -> bool:
+        size = self._size(second)
+        return (
+            size is not None
+            and self._size(first) == size
+            and self._digest(first) == self._digest(second)
+        )
+
+    def _size(self, url: str) -> int | None:
+        if url not in self._sizes:
+            fs, name = fsspec.core.url_to_fs(url)
+            self._sizes[url] = fs.info(name).get("size")
+        return self._sizes[url]
+
+    def _digest(self, url: str) -> str:
+        if url not in self._digests:
+            self._digests[url] = file_digest(url)
+        return self._digests[url]
 
 
 class _RollingWriter:
-    """Writes tables into part-NNNNN.parquet files of at most ``rows_per_file`` rows."""
+    """Writes tables into <name>-NNNNN.parquet files of at most ``rows_per_file`` rows."""
 
-    def __init__(self, directory: Path, schema: pa.Schema, rows_per_file: int) -> None:
+    def __init__(self, directory: Path, name: str, schema: pa.Schema, rows_per_file: int) -> None:
         self.directory = directory
+        self.name = name
         self.schema = schema
         self.rows_per_file = rows_per_file
         self.paths: list[Path] = []
@@ -278,7 +582,7 @@ class _RollingWriter:
     def _open_next(self) -> None:
         self.close()
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"part-{len(self.paths):05d}.parquet"
+        path = self.directory / f"{self.name}-{len(self.paths):05d}.parquet"
         self._writer = pq.ParquetWriter(path, self.schema)
         self.paths.append(path)
         self._rows_in_file = 0
@@ -289,228 +593,391 @@ class _RollingWriter:
             self._writer = None
 
 
-def _read_batches(
-    url: str, fmt: Format, schema: SchemaConfig, batch_rows: int
-) -> Iterator[tuple[pa.Table, pa.Table]]:
-    """Yield (text batch with one string column per schema field, unparseable rows)."""
-    names = [f.name for f in schema.fields]
-    with fsspec.open(url, "rb", compression="infer") as handle:
-        if fmt in ("csv", "tsv"):
-            yield from _read_csv(handle, url, names, "\t" if fmt == "tsv" else ",", batch_rows)
-        elif fmt == "jsonl":
-            yield from _read_jsonl(handle, url, names, batch_rows)
-        else:
-            yield from _read_parquet(handle, url, names, batch_rows)
-
-
-def _read_csv(handle, url: str, names: list[str], delimiter: str, batch_rows: int):
-    unparseable: list[dict] = []
-
-    def on_invalid(row: pacsv.InvalidRow) -> str:
-        unparseable.append(
-            {
-                "source": url,
-                "location": f"line {row.number}" if row.number and row.number > 0 else "line ?",
-                "reason": f"parse_error: expected {row.expected_columns} fields, "
-                f"got {row.actual_columns}",
-                "raw": row.text,
-            }
-        )
-        return "skip"
-
-    try:
-        reader = pacsv.open_csv(
-            handle,
-            read_options=pacsv.ReadOptions(block_size=1 << 22),
-            parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=on_invalid),
-            convert_options=pacsv.ConvertOptions(
-                column_types={n: pa.string() for n in names},
-                include_columns=names,
-                strings_can_be_null=True,
-                null_values=[""],
-            ),
-        )
-    except (pa.ArrowInvalid, KeyError) as err:
-        raise SchemaError(
-            f"{url}: cannot read the header with the schema's columns {names}: {err}. "
-            "Rename the schema fields or fix the file."
-        ) from err
-    pending: list[pa.RecordBatch] = []
-    pending_rows = 0
-    for batch in reader:
-        pending.append(batch)
-        pending_rows += batch.num_rows
-        if pending_rows >= batch_rows:
-            yield _flush(pending, names), _take_unparseable(unparseable)
-            pending, pending_rows = [], 0
-    if pending or unparseable:
-        yield _flush(pending, names), _take_unparseable(unparseable)
-
-
-def _flush(batches: list[pa.RecordBatch], names: list[str]) -> pa.Table:
-    if not batches:
-        return pa.table({n: pa.array([], pa.string()) for n in names})
-    return pa.Table.from_batches(batches).select(names)
-
-
-def _take_unparseable(rows: list[dict]) -> pa.Table:
-    table = pa.Table.from_pylist(list(rows), schema=_QUARANTINE_SCHEMA)
-    rows.clear()
-    return table
-
-
-def _check_columns(url: str, expected: list[str], present: list[str]) -> None:
-    missing = [n for n in expected if n not in present]
-    if missing:
-        raise SchemaError(
-            f"{url}: column(s) {missing} named in schema.fields are missing from the file "
-            f"(it has {present}). Rename the schema fields or fix the file."
-        )
-
-
-def _read_jsonl(handle, url: str, names: list[str], batch_rows: int):
-    columns: dict[str, list[str | None]] = {n: [] for n in names}
-    unparseable: list[dict] = []
-    for number, raw_line in enumerate(handle, start=1):
-        line = raw_line.decode("utf-8", errors="replace").strip()
-        if not line:
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            record, problem = None, f"parse_error: invalid JSON ({err.msg})"
-        else:
-            problem = None if isinstance(record, dict) else "parse_error: not a JSON object"
-        if problem:
-            unparseable.append(
-                {"source": url, "location": f"line {number}", "reason": problem, "raw": line}
-            )
-            continue
-        for n in names:
-            columns[n].append(_json_text(record.get(n)))
-        if len(columns[names[0]]) >= batch_rows:
-            yield _text_table(columns), _take_unparseable(unparseable)
-            columns = {n: [] for n in names}
-    if columns[names[0]] or unparseable:
-        yield _text_table(columns), _take_unparseable(unparseable)
-
-
-def _json_text(value: object) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        # JSON true/false is not a number: keep it textual so the type check rejects it.
-        return json.dumps(value)
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(value)
-
-
-def _text_table(columns: dict[str, list[str | None]]) -> pa.Table:
-    return pa.table({n: pa.array(v, pa.string()) for n, v in columns.items()})
-
-
-def _read_parquet(handle, url: str, names: list[str], batch_rows: int):
-    parquet = pq.ParquetFile(handle)
-    _check_columns(url, names, parquet.schema_arrow.names)
-    empty = pa.Table.from_pylist([], schema=_QUARANTINE_SCHEMA)
-    for batch in parquet.iter_batches(batch_size=batch_rows, columns=names):
-        # Going through text keeps one validation path for every format.
-        table = pa.table({n: pc.cast(batch.column(n), pa.string()) for n in names})
-        yield table, empty
+# --------------------------------------------------------------------------- validation
 
 
 def validate_batch(
-    batch: pa.Table, schema: SchemaConfig, source: str, offset: int = 0
+    batch: TextBatch,
+    schema: SchemaConfig,
+    source: str,
+    record_offset: int = 0,
+    seen: "_SeenRows | None" = None,
 ) -> tuple[pa.Table, pa.Table]:
     """Type and check one batch of text columns.
 
     Args:
-        batch: one string column per schema field.
+        batch: rows of one file as text, from ``data_prep.readers``.
         schema: the declared types and roles.
         source: file name recorded with quarantined rows.
-        offset: records of this file before the batch, for 1-based record numbers.
+        record_offset: records of the inputs before this file.
+        seen: the rows kept so far in this file, for ``duplicate_row``; None skips it.
 
     Returns:
-        (typed good rows in schema order, quarantined rows with reasons). Each bad row
-        carries the first failed check, e.g. ``not_float64:price``.
+        (typed good rows in schema order, quarantined rows in record order). Each bad
+        row carries the first failed check, e.g. ``not_float64:price``.
     """
     n = batch.num_rows
-    reason = pa.nulls(n, pa.string())
-    typed = {}
+    reason_of = np.full(n, -1, dtype=np.int32)
+    reasons: list[str] = []
+
+    def flag(reason: str, mask: np.ndarray) -> None:
+        new = mask & (reason_of < 0)
+        if new.any():
+            reasons.append(reason)
+            reason_of[new] = len(reasons) - 1
+
+    typed: dict[str, pa.Array] = {}
+    row_hash = np.zeros(n, dtype=np.uint64)
     for spec in schema.fields:
-        text = batch.column(spec.name).combine_chunks() if n else pa.array([], pa.string())
-        values, problems = _parse_column(text, spec, schema)
-        typed[spec.name] = values
-        for label, mask in problems:
-            reason = pc.if_else(pc.and_(pc.is_null(reason), mask), label, reason)
-    good_mask = pc.is_null(reason)
-    good = pa.table(typed).filter(good_mask)
-    bad_mask = pc.invert(good_mask)
-    bad_idx = pc.indices_nonzero(bad_mask).to_numpy()
-    if len(bad_idx) == 0:
-        return good, pa.Table.from_pylist([], schema=_QUARANTINE_SCHEMA)
-    raw_rows = batch.take(bad_idx).to_pylist()
-    bad = pa.table(
-        {
-            "source": [source] * len(bad_idx),
-            "location": [f"record {offset + int(i) + 1}" for i in bad_idx],
-            "reason": reason.filter(bad_mask),
-            "raw": [json.dumps(r) for r in raw_rows],
-        },
-        schema=_QUARANTINE_SCHEMA,
-    )
-    return good, bad
+        if spec.generated is not None:
+            typed[spec.name] = pa.array(record_offset + batch.records, pa.int64())
+            continue
+        text, undecodable = _to_text(batch.columns[spec.name])
+        if undecodable is not None:
+            flag(f"invalid_utf8:{spec.name}", undecodable)
+        parse = _parse_multi_hot if spec.multi_hot else _parse_scalar
+        typed[spec.name], checks, key = parse(text, spec, schema)
+        for reason, mask in checks:
+            flag(reason, mask)
+        row_hash = _mix(row_hash * _MULTIPLIER + key)
+    if seen is not None and n:
+        good = reason_of < 0
+        duplicate = np.zeros(n, dtype=bool)
+        duplicate[good] = seen.add(row_hash[good])
+        flag("duplicate_row", duplicate)
+
+    good = reason_of < 0
+    events = pa.table(typed).filter(pa.array(good))
+    bad_idx = np.flatnonzero(~good)
+    rejected = batch.rejected
+    quarantine = {
+        "source": [source] * (len(bad_idx) + len(rejected)),
+        "location": [f"{batch.unit} {line}" for line in batch.lines[bad_idx]]
+        + [f"{batch.unit} {r.line}" for r in rejected],
+        "reason": [reasons[i] for i in reason_of[bad_idx]] + [r.reason for r in rejected],
+        "raw": _raw_rows(batch.columns, bad_idx) + [r.raw for r in rejected],
+        "record": np.concatenate(
+            [batch.records[bad_idx], np.array([r.record for r in rejected], dtype=np.int64)]
+        )
+        + record_offset,
+    }
+    table = pa.table(quarantine, schema=QUARANTINE_SCHEMA)
+    if rejected and len(bad_idx):
+        table = table.take(pc.sort_indices(table, [("record", "ascending")]))
+    return events, table
 
 
-def _parse_column(
+def _raw_rows(columns: dict[str, pa.Array], idx: np.ndarray) -> list[str]:
+    """The text of the given rows as JSON objects (undecodable bytes backslash-escaped)."""
+    if len(idx) == 0:
+        return []
+    taken = {name: column.take(pa.array(idx)).to_pylist() for name, column in columns.items()}
+    return [
+        json.dumps({name: _printable(values[i]) for name, values in taken.items()})
+        for i in range(len(idx))
+    ]
+
+
+def _printable(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="backslashreplace")
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    return value
+
+
+def _mask(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A boolean pyarrow array as a numpy mask, null as False."""
+    values = pc.fill_null(values, False)
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if len(values) == 0:
+        return np.zeros(0, dtype=bool)
+    # Unpacking the bits directly; to_numpy() on booleans would import pandas.
+    bits = np.frombuffer(values.buffers()[1], dtype=np.uint8)
+    unpacked = np.unpackbits(bits, bitorder="little")
+    return unpacked[values.offset : values.offset + len(values)].astype(bool)
+
+
+def _list_parts(lists: pa.Array) -> tuple[np.ndarray, pa.Array, np.ndarray]:
+    """(offsets from 0, the values they index, validity) of a list array, slices included."""
+    offsets = lists.offsets.to_numpy().astype(np.int64)
+    values = lists.values.slice(offsets[0], offsets[-1] - offsets[0])
+    valid = _mask(lists.is_valid())
+    return offsets - offsets[0], values, valid
+
+
+def _to_text(column: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
+    """Valid UTF-8 text (undecodable values as null) and a mask of those, None if none."""
+    kind = column.type
+    if pa.types.is_list(kind):
+        offsets, values, valid = _list_parts(column)
+        text, undecodable = _to_text(values)
+        if undecodable is None and pa.types.is_string(kind.value_type):
+            return column, None
+        rebuilt = pa.ListArray.from_arrays(
+            pa.array(offsets, pa.int32()), text, mask=pa.array(~valid)
+        )
+        if undecodable is None:
+            return rebuilt, None
+        rows = np.zeros(len(column), dtype=bool)
+        rows[np.repeat(np.arange(len(column)), np.diff(offsets))[undecodable]] = True
+        return rebuilt, rows
+    if not pa.types.is_binary(kind):
+        return column, None
+    try:
+        return column.cast(pa.string()), None
+    except pa.ArrowInvalid:
+        pass
+    # Only a batch with a bad value gets here: check value by value.
+    decoded: list[str | None] = []
+    undecodable = np.zeros(len(column), dtype=bool)
+    for i, value in enumerate(column.to_pylist()):
+        try:
+            decoded.append(None if value is None else value.decode("utf-8"))
+        except UnicodeDecodeError:
+            decoded.append(None)
+            undecodable[i] = True
+    return pa.array(decoded, pa.string()), undecodable
+
+
+Checks = list[tuple[str, np.ndarray]]
+
+
+def _parse_scalar(
     text: pa.Array, spec: FieldSpec, schema: SchemaConfig
-) -> tuple[pa.Array, list[tuple[str, pa.Array]]]:
-    """Parse one text column; return typed values and (reason, mask) checks in order."""
-    missing = pc.or_(pc.is_null(text), pc.equal(pc.utf8_length(pc.fill_null(text, "")), 0))
-    missing = pc.fill_null(missing, True)
-    checks: list[tuple[str, pa.Array]] = []
+) -> tuple[pa.Array, Checks, np.ndarray]:
+    """Parse one text column.
+
+    Returns:
+        (typed values, (reason, mask) checks in order, (N,) uint64 hash of each value for
+        duplicate detection: of the number for numeric fields, so ``1.0`` and ``1.00``
+        are the same, and of the raw number for a thresholded label).
+    """
+    missing = _mask(pc.or_kleene(pc.is_null(text), pc.equal(pc.utf8_length(text), 0)))
+    checks: Checks = []
     if spec.required:
         checks.append((f"missing:{spec.name}", missing))
     if spec.dtype == "string":
-        return pc.if_else(missing, pa.scalar(None, pa.string()), text), checks
+        values = pc.if_else(pa.array(missing), pa.scalar(None, pa.string()), text)
+        return values, checks, _hash_text(values)
 
-    present = pc.invert(missing)
-    if spec.dtype == "int64":
-        well_formed = pc.fill_null(pc.match_substring_regex(text, _INT_RE), False)
-        trimmed = pc.utf8_trim_whitespace(text)
-        too_long = pc.greater(pc.utf8_length(pc.fill_null(trimmed, "")), _SAFE_INT_CHARS + 1)
-        overflow = _int64_overflow(trimmed, pc.and_(well_formed, too_long))
-        ok = pc.and_(well_formed, pc.invert(overflow))
-        checks.append((f"not_int64:{spec.name}", pc.and_(present, pc.invert(well_formed))))
-        checks.append((f"int64_overflow:{spec.name}", pc.and_(present, overflow)))
-        values = pc.cast(pc.if_else(ok, trimmed, "0"), pa.int64())
-    else:
-        well_formed = pc.fill_null(pc.match_substring_regex(text, _FLOAT_RE), False)
-        values = pc.cast(pc.if_else(well_formed, pc.utf8_trim_whitespace(text), "0"), pa.float64())
-        finite = pc.is_finite(values)
-        ok = pc.and_(well_formed, finite)
-        checks.append((f"not_float64:{spec.name}", pc.and_(present, pc.invert(well_formed))))
-        checks.append((f"not_finite:{spec.name}", pc.and_(present, pc.invert(finite))))
-
-    if spec.role == "label":
-        allowed = pc.is_in(values, value_set=pa.array(schema.label_values, pa.int64()))
-        checks.append((f"label_out_of_range:{spec.name}", pc.and_(ok, pc.invert(allowed))))
+    present = ~missing
+    values, ok, value_checks = _parse_numbers(text, spec.dtype, spec.name)
+    checks += [(reason, mask & present) for reason, mask in value_checks]
+    key = np.where(missing, _NULL_HASH, _hash_numbers(values))
+    if spec.threshold is not None:
+        values = pc.cast(pc.greater_equal(values, spec.threshold), pa.int64())
+    elif spec.role == "label":
+        allowed = _mask(pc.is_in(values, value_set=pa.array(schema.label_values, pa.int64())))
+        checks.append((f"label_out_of_range:{spec.name}", ok & ~allowed))
     elif spec.role == "timestamp":
-        in_range = pc.and_(
-            pc.greater_equal(values, schema.min_timestamp),
-            pc.less_equal(values, schema.max_timestamp),
+        in_range = _mask(
+            pc.and_(
+                pc.greater_equal(values, schema.min_timestamp),
+                pc.less_equal(values, schema.max_timestamp),
+            )
         )
-        checks.append((f"timestamp_out_of_range:{spec.name}", pc.and_(ok, pc.invert(in_range))))
-    return pc.if_else(ok, values, pa.scalar(None, values.type)), checks
+        checks.append((f"timestamp_out_of_range:{spec.name}", ok & ~in_range))
+    return pc.if_else(pa.array(ok), values, pa.scalar(None, values.type)), checks, key
 
 
-def _int64_overflow(text: pa.Array, candidates: pa.Array) -> pa.Array:
+def _parse_numbers(
+    text: pa.Array, dtype: str, name: str, fast: bool = True
+) -> tuple[pa.Array, np.ndarray, Checks]:
+    """(values, mask of parsed values, checks of values that do not parse).
+
+    Values that do not parse are 0, never null; null or empty text does not parse, so
+    callers mask the checks where a missing value is allowed. ``fast=False`` skips the
+    fast path (for tests: both paths must agree).
+    """
+    well_formed = None
+    present = pc.if_else(pc.equal(pc.utf8_length(text), 0), pa.scalar(None, pa.string()), text)
+    try:
+        if not fast:
+            raise pa.ArrowInvalid("fast path disabled")
+        # Fast path for a clean batch: pyarrow's own parser, when it accepts every value and
+        # accepts nothing the patterns below reject (hex integers, ``nan(...)``).
+        values = pc.cast(present, _ARROW_TYPES[dtype])
+        if dtype == "int64":
+            clean = pc.all(pc.utf8_is_decimal(pc.utf8_ltrim(present, "-"))).as_py()
+        else:
+            clean = not pc.any(pc.match_substring(present, "(")).as_py()
+        if clean:
+            well_formed = _mask(values.is_valid())
+            values = pc.fill_null(values, 0)
+            overflow = np.zeros(len(text), dtype=bool)
+    except pa.ArrowInvalid:
+        pass
+    if well_formed is None:
+        trimmed = pc.utf8_trim_whitespace(text)
+        if dtype == "int64":
+            trimmed = pc.utf8_ltrim(trimmed, "+")  # pyarrow's cast rejects "+5"
+            well_formed = _mask(pc.match_substring_regex(text, _INT_RE))
+            too_long = _mask(pc.greater(pc.utf8_length(trimmed), _SAFE_INT_CHARS))
+            overflow = _int64_overflow(trimmed, well_formed & too_long)
+            values = pc.cast(
+                pc.if_else(pa.array(well_formed & ~overflow), trimmed, "0"), pa.int64()
+            )
+        else:
+            well_formed = _mask(pc.match_substring_regex(text, _FLOAT_RE, ignore_case=True))
+            values = pc.cast(pc.if_else(pa.array(well_formed), trimmed, "0"), pa.float64())
+    if dtype == "int64":
+        checks = [(f"not_int64:{name}", ~well_formed), (f"int64_overflow:{name}", overflow)]
+        return values, well_formed & ~overflow, checks
+    finite = _mask(pc.is_finite(values))
+    checks = [(f"not_float64:{name}", ~well_formed), (f"not_finite:{name}", ~finite)]
+    return values, well_formed & finite, checks
+
+
+def _parse_multi_hot(
+    text: pa.Array, spec: FieldSpec, schema: SchemaConfig
+) -> tuple[pa.Array, Checks, np.ndarray]:
+    """Parse a multi-hot column (text to split, or lists); every element must parse."""
+    n = len(text)
+    if not pa.types.is_list(text.type):
+        # Text formats: an empty value is an empty list.
+        lists = pc.split_pattern(text, spec.separator)
+        empty = pa.scalar([], pa.list_(pa.string()))
+        lists = pc.if_else(pc.equal(pc.utf8_length(text), 0), empty, lists)
+    else:
+        lists = text
+    offsets, elements, valid = _list_parts(lists)
+    row_of = np.repeat(np.arange(n), np.diff(offsets))
+    checks: Checks = []
+    if spec.required:
+        checks.append((f"missing:{spec.name}", ~valid))
+
+    def rows_with(element_mask: np.ndarray) -> np.ndarray:
+        rows = np.zeros(n, dtype=bool)
+        rows[row_of[element_mask]] = True
+        return rows
+
+    empty_element = _mask(pc.equal(pc.utf8_length(elements), 0))
+    checks.append((f"empty_element:{spec.name}", rows_with(empty_element)))
+    if spec.dtype == "string":
+        checks.append((f"not_string:{spec.name}", rows_with(_mask(pc.is_null(elements)))))
+        values, element_keys = elements, _hash_text(elements)
+    else:
+        values, _, value_checks = _parse_numbers(elements, spec.dtype, spec.name)
+        checks += [(reason, rows_with(mask)) for reason, mask in value_checks]
+        element_keys = _hash_numbers(values)
+    typed = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values, mask=pa.array(~valid))
+    key = np.where(valid, _hash_sequences(offsets, element_keys), _NULL_HASH)
+    return typed, checks, key
+
+
+def _int64_overflow(text: pa.Array, candidates: np.ndarray) -> np.ndarray:
     """Mark long digit strings that do not fit int64 (rare, so checked in Python)."""
-    flags = [False] * len(text)
-    for i in pc.indices_nonzero(pc.fill_null(candidates, False)).to_pylist():
-        value = int(text[i].as_py())
+    flags = np.zeros(len(text), dtype=bool)
+    for i in np.flatnonzero(candidates):
+        value = int(text[int(i)].as_py())
         flags[i] = not (-(2**63) <= value < 2**63)
-    return pa.array(flags, pa.bool_())
+    return flags
+
+
+# --------------------------------------------------------------------------- duplicates
+
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+_NULL_HASH = np.uint64(0x5BD1E9955BD1E995)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 that scatters nearby values."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@lru_cache(maxsize=8)
+def _powers(size: int) -> np.ndarray:
+    """_MULTIPLIER ** k mod 2**64 for k < size."""
+    powers = np.full(size, _MULTIPLIER, dtype=np.uint64)
+    powers[0] = 1
+    return np.cumprod(powers, dtype=np.uint64)
+
+
+def _hash_numbers(values: pa.Array) -> np.ndarray:
+    """(N,) uint64 hash of int64/float64 values without nulls (-0.0 hashes as 0.0)."""
+    array = values.to_numpy()
+    if array.dtype == np.float64:
+        array = array + 0.0
+    return _mix(array.view(np.uint64) ^ _MULTIPLIER)
+
+
+def _hash_sequences(offsets: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """(N,) uint64 hash of each sequence ``items[offsets[i]:offsets[i + 1]]`` (offsets from 0).
+
+    A polynomial in the items (mod 2**64) mixed with the length.
+    """
+    n = len(offsets) - 1
+    start, lengths = offsets[:-1], np.diff(offsets)
+    sums = np.zeros(n, dtype=np.uint64)
+    nonempty = lengths > 0
+    if nonempty.any():
+        size = 1 << int(lengths.max()).bit_length()
+        position = np.arange(offsets[-1]) - np.repeat(start, lengths)
+        terms = items * _powers(size)[position]
+        sums[nonempty] = np.add.reduceat(terms, start[nonempty])
+    return _mix(sums ^ _mix(lengths.astype(np.uint64) + _MULTIPLIER))
+
+
+def _hash_text(text: pa.Array) -> np.ndarray:
+    """(N,) uint64 hash of each string's bytes; nulls share one hash.
+
+    Each distinct string is hashed once (logs repeat their values; and even when they
+    do not, encoding first costs less than the gathers hashing every row needs).
+    """
+    encoded = pc.dictionary_encode(text)
+    distinct = encoded.dictionary
+    wide = pa.types.is_large_string(distinct.type) or pa.types.is_large_binary(distinct.type)
+    offsets = np.frombuffer(distinct.buffers()[1], dtype=np.int64 if wide else np.int32)
+    offsets = offsets[distinct.offset : distinct.offset + len(distinct) + 1].astype(np.int64)
+    data = distinct.buffers()[2]
+    data = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+    items = data[offsets[0] : offsets[-1]].astype(np.uint64) + np.uint64(1)
+    hashed = _hash_sequences(offsets - offsets[0], items)
+    indices = encoded.indices
+    rows = (
+        hashed[pc.fill_null(indices, 0).to_numpy()]
+        if len(hashed)
+        else np.zeros(len(text), np.uint64)
+    )
+    rows[~_mask(indices.is_valid())] = _NULL_HASH
+    return rows
+
+
+class _SeenRows:
+    """The set of row hashes kept so far in one file: sorted runs of geometric sizes.
+
+    Looking up a batch costs a binary search per run (there are O(log rows) runs);
+    adding merges runs like a binary counter, O(log rows) amortised per row.
+    """
+
+    def __init__(self) -> None:
+        self._runs: list[np.ndarray] = []
+
+    def add(self, hashes: np.ndarray) -> np.ndarray:
+        """Add a batch of hashes; return a mask of those seen before (earlier in the batch too)."""
+        # Sorted queries: the binary searches walk each run in order (cache friendly), and
+        # a stable sort keeps the first of equal hashes first.
+        order = np.argsort(hashes, kind="stable")
+        ordered = hashes[order]
+        duplicate = np.zeros(len(hashes), dtype=bool)
+        duplicate[1:] = ordered[1:] == ordered[:-1]
+        for run in self._runs:
+            at = np.minimum(np.searchsorted(run, ordered), len(run) - 1)
+            duplicate |= run[at] == ordered
+        new = ordered[~duplicate]
+        if len(new):
+            self._runs.append(new)
+            while len(self._runs) > 1 and len(self._runs[-2]) <= 2 * len(self._runs[-1]):
+                newest = self._runs.pop()
+                # Disjoint sorted runs: timsort merges them in linear time.
+                merged = np.concatenate([self._runs[-1], newest])
+                self._runs[-1] = np.sort(merged, kind="stable")
+        unordered = np.empty_like(duplicate)
+        unordered[order] = duplicate
+        return unordered

@@ -8,13 +8,31 @@ from prefect.artifacts import create_table_artifact
 
 from data_prep.drift import DriftConfig, compare_stats, compute_stats
 from data_prep.errors import DataError
-from data_prep.ingest import IngestConfig, describe_inputs, ingest_logs
+from data_prep.ingest import (
+    FileReport,
+    Format,
+    IngestConfig,
+    IngestResult,
+    combine_reports,
+    describe_inputs,
+    find_replays,
+    ingest_file,
+    ingest_logs,
+    numbers_records_globally,
+    quarantine_replayed_file,
+    resolve_inputs,
+)
 from data_prep.schema import SchemaConfig
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.progress import terminal_progress
 from tasks.store import ArtifactStore
 
-MODULES = ["data_prep/ingest.py", "data_prep/schema.py", "data_prep/drift.py"]
+MODULES = [
+    "data_prep/ingest.py",
+    "data_prep/readers.py",
+    "data_prep/schema.py",
+    "data_prep/drift.py",
+]
 STATS_FILE = "stats.json"
 
 
@@ -39,8 +57,7 @@ def ingest_task(
     logger = get_run_logger()
 
     def produce(out_dir: Path) -> dict:
-        with terminal_progress("ingest rows", None) as advance:
-            result = ingest_logs(config, schema, out_dir, on_progress=advance)
+        result = ingest_in_parallel(config, schema, out_dir)
         findings = _check_drift(store.latest_output(pipeline, "ingest"), out_dir, schema, drift)
         if findings and drift.policy == "fail":
             raise DataError(
@@ -79,6 +96,40 @@ def ingest_task(
             description="Dataset drift against the previous run",
         )
     return as_state(output)
+
+
+@task(name="read-file", **task_options())
+def read_file_task(
+    config: IngestConfig, schema: SchemaConfig, url: str, fmt: Format, out_dir: str, part: int
+) -> FileReport:
+    """Ingest one raw file into the stage's staging directory."""
+    return ingest_file(config, schema, url, fmt, Path(out_dir), part)
+
+
+def ingest_in_parallel(config: IngestConfig, schema: SchemaConfig, out_dir: Path) -> IngestResult:
+    """Map ingest over the input files with the flow's task runner (threads or Dask).
+
+    Each file numbers its records from 0, so the output does not depend on the runner
+    or on the order files finish in. A generated timestamp numbers records across files
+    in file order, so that case reads the files one after another.
+    """
+    if numbers_records_globally(schema):
+        with terminal_progress("ingest rows", None) as advance:
+            return ingest_logs(config, schema, out_dir, on_progress=advance)
+    inputs = resolve_inputs(config.path, config.format)
+    originals = find_replays([url for url, _ in inputs])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    futures = {
+        part: read_file_task.submit(config, schema, url, fmt, str(out_dir), part)
+        for part, (url, fmt) in enumerate(inputs)
+        if originals[part] is None
+    }
+    reports = {part: future.result() for part, future in futures.items()}
+    for part, (url, _) in enumerate(inputs):
+        if originals[part] is not None:
+            original = reports[originals[part]]
+            reports[part] = quarantine_replayed_file(config, url, original, out_dir, part)
+    return combine_reports(config, out_dir, [reports[p] for p in sorted(reports)])
 
 
 def _check_drift(

@@ -1,12 +1,19 @@
 import gzip
 import json
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from data_prep.errors import DataError, InputNotFoundError, SchemaError
-from data_prep.ingest import IngestConfig, describe_inputs, ingest_logs, resolve_inputs
+from data_prep.ingest import (
+    IngestConfig,
+    _parse_numbers,
+    describe_inputs,
+    ingest_logs,
+    resolve_inputs,
+)
 
 HEADER = "ts,user_id,city,price,click,p_true\n"
 GOOD = [
@@ -17,7 +24,7 @@ GOOD = [
 BAD = {
     "1700000003,x,c1,3.5,1,0.2": "not_int64:user_id",
     "1700000004,,c1,3.5,1,0.2": "missing:user_id",
-    "1700000005,4,c1,nan,1,0.2": "not_float64:price",
+    "1700000005,4,c1,n/a,1,0.2": "not_float64:price",
     "1700000006,4,c1,1e400,1,0.2": "not_finite:price",
     "1700000007,4,c1,1.0,2,0.2": "label_out_of_range:click",
     "-3,4,c1,1.0,1,0.2": "timestamp_out_of_range:ts",
@@ -143,3 +150,23 @@ def test_reads_from_an_fsspec_url(schema, tmp_path):
     assert inputs == [("memory:///logs/day=1/a.csv", "csv")]
     out = ingest_logs(IngestConfig(path="memory://logs"), schema, tmp_path / "out")
     assert out.good_rows == 3 and out.bad_rows == 0
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float64"])
+def test_fast_and_pattern_number_parsing_agree(dtype):
+    # A clean batch is parsed by pyarrow's cast alone; it must accept exactly what the
+    # patterns accept, with the same values.
+    rng = np.random.default_rng(0)
+    alphabet = list("0123456789+-.eExXnaNIifty() ") + ["nan", "inf", "0x", "9" * 18, "2" * 19]
+    texts = ["".join(rng.choice(alphabet, size=rng.integers(1, 6))) for _ in range(4_000)]
+    texts += ["0x10", "nan(1)", "+5", "-0", "0005", "1e400", "-nan", "Infinity", " 5", "5."]
+    texts += ["9223372036854775807", "9223372036854775808", "-9223372036854775809", "9" * 19]
+    for text in texts:
+        fast_values, fast_ok, fast_checks = _parse_numbers(pa.array([text]), dtype, "x")
+        slow_values, slow_ok, slow_checks = _parse_numbers(pa.array([text]), dtype, "x", fast=False)
+        assert fast_ok.tolist() == slow_ok.tolist(), text
+        assert [(r, m.tolist()) for r, m in fast_checks] == [
+            (r, m.tolist()) for r, m in slow_checks
+        ], text
+        if fast_ok[0]:
+            assert fast_values.equals(slow_values), text
