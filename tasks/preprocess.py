@@ -10,7 +10,7 @@ from data_prep.schema import SchemaConfig
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.progress import terminal_progress
 
-MODULES = ["data_prep/preprocess.py", "data_prep/schema.py"]
+MODULES = ["data_prep/preprocess.py", "data_prep/transform.py", "data_prep/schema.py"]
 
 
 @task(name="preprocess", **task_options())

@@ -9,7 +9,7 @@ from data_prep.shard import ShardConfig, write_shards
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.progress import terminal_progress
 
-MODULES = ["data_prep/shard.py"]
+MODULES = ["data_prep/shard.py", "data_prep/transform.py"]
 
 
 @task(name="shard", **task_options())

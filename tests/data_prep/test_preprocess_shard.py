@@ -5,9 +5,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.errors import DataError
+from data_prep import shard
+from data_prep.errors import ConfigError, DataError
 from data_prep.preprocess import PreprocessConfig, preprocess_events
+from data_prep.schema import SchemaConfig
 from data_prep.shard import ShardConfig, shard_name, write_shards
+from training.data import load_dataset_meta, rank_slices
 
 
 def write_events(directory, n=1000, seed=0):
@@ -141,3 +144,102 @@ def test_different_seed_shuffles_differently(tmp_path, schema):
     write_shards(ShardConfig(seed=1), tmp_path / "pre", tmp_path / "s2")
     name = a.shards["train"][0]
     assert (tmp_path / "s1" / name).read_bytes() != (tmp_path / "s2" / name).read_bytes()
+
+
+def test_spilled_shuffle_is_balanced_uniform_and_bounded(tmp_path, schema):
+    write_events(tmp_path / "events", n=5003)
+    preprocess_events(PreprocessConfig(), schema, tmp_path / "events", tmp_path / "pre")
+    config = ShardConfig(
+        num_train_shards=3, num_eval_shards=4, row_group_size=128, shuffle_buffer_rows=500
+    )
+    result = write_shards(config, tmp_path / "pre", tmp_path / "s")
+    original = pq.read_table(tmp_path / "pre" / "train")
+
+    # Bounded memory: ceil(rows / buffer) buckets, each about the buffer size.
+    source = shard._Source(sorted((tmp_path / "pre" / "train").glob("*.parquet")), 1000)
+    sizes = [t.num_rows for _, t in shard._buckets(source, config, tmp_path / "spill")]
+    assert len(sizes) == -(-original.num_rows // 500) and max(sizes) < 1.5 * 500
+    assert sum(sizes) == original.num_rows and not (tmp_path / "spill").exists()
+
+    for split, count in (("train", 3), ("valid", 4), ("test", 4)):
+        tables = [pq.read_table(tmp_path / "s" / name) for name in result.shards[split]]
+        rows = [t.num_rows for t in tables]
+        assert len(rows) == count and max(rows) - min(rows) <= 1
+        for name in result.shards[split]:
+            metadata = pq.ParquetFile(tmp_path / "s" / name).metadata
+            groups = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+            assert all(g == 128 for g in groups[:-1]) and 0 < groups[-1] <= 128
+
+    train = pa.concat_tables(pq.read_table(tmp_path / "s" / n) for n in result.shards["train"])
+    key = ["ts", "user_id", "p_true"]
+    assert sorted(zip(*(original[k].to_pylist() for k in key), strict=True)) == sorted(
+        zip(*(train[k].to_pylist() for k in key), strict=True)
+    )
+    # A uniform shuffle: the first rows of every shard span the whole train period.
+    ts = original["ts"].to_numpy()
+    for name in result.shards["train"]:
+        head = pq.read_table(tmp_path / "s" / name)["ts"].to_numpy()[:300]
+        assert abs(head.mean() - ts.mean()) < 0.1 * (ts.max() - ts.min())
+
+
+def test_dataset_json_is_what_training_reads(tmp_path):
+    rng = np.random.default_rng(0)
+    n = 1200
+    events = tmp_path / "events"
+    events.mkdir()
+    table = pa.table(
+        {
+            "ts": np.sort(rng.integers(0, 10_000, n)),
+            "user_id": rng.integers(1, 50, n),
+            "tags": pa.array([[int(t) for t in rng.integers(0, 9, 2)] for _ in range(n)]),
+            "age": rng.uniform(0, 90, n),
+            "price": rng.lognormal(3, 1, n),
+            "click": rng.integers(0, 2, n),
+            "like": rng.integers(0, 2, n),
+            "session": rng.integers(0, 10**9, n),
+        }
+    )
+    pq.write_table(table, events / "part-00000.parquet")
+    schema = SchemaConfig(
+        fields=[
+            {"name": "ts", "dtype": "int64", "role": "timestamp"},
+            {"name": "user_id", "dtype": "int64", "role": "sparse"},
+            {"name": "tags", "dtype": "int64", "role": "sparse", "multi_hot": True},
+            {"name": "age", "dtype": "float64", "role": "dense", "bucketize": [18.0, 65.0]},
+            {"name": "price", "dtype": "float64", "role": "dense"},
+            {"name": "click", "dtype": "int64", "role": "label"},
+            {"name": "like", "dtype": "int64", "role": "label"},
+            {"name": "session", "dtype": "int64", "role": "key"},
+        ]
+    )
+    preprocess_events(PreprocessConfig(), schema, events, tmp_path / "pre")
+    result = write_shards(ShardConfig(num_train_shards=4), tmp_path / "pre", tmp_path / "s")
+
+    dataset = json.loads((tmp_path / "s" / "dataset.json").read_text())
+    assert dataset["label"] == "click" and dataset["labels"] == ["click", "like"]
+    assert dataset["sparse"] == [
+        {"name": "user_id", "num_embeddings": dataset["sparse"][0]["num_embeddings"]},
+        {"name": "age", "num_embeddings": 3},
+    ]
+    assert dataset["dense"] == ["price"] and dataset["keys"] == ["session"]
+    assert dataset["multi_hot"] == [{"name": "tags", "num_embeddings": 10}]
+    assert dataset["split"]["method"] == "time"
+    shard0 = pq.read_table(tmp_path / "s" / result.shards["train"][0])
+    assert shard0.schema.field("tags").type == pa.list_(pa.field("element", pa.int64()))
+    assert shard0.schema.field("session").type == pa.int64()  # keys pass through
+
+    meta = load_dataset_meta(tmp_path / "s")
+    assert meta.sparse_names == ["user_id", "age"] and meta.dense == ["price"]
+    # num_train_shards a multiple of the world size: disjoint files, balanced rows.
+    ranks = [rank_slices(meta.split("train"), r, 2) for r in range(2)]
+    assert {p for p, _, _ in ranks[0]}.isdisjoint({p for p, _, _ in ranks[1]})
+    rows = [sum(end - start for _, start, end in slices) for slices in ranks]
+    assert abs(rows[0] - rows[1]) <= 2
+
+
+def test_too_many_spill_buckets_is_a_config_error(tmp_path, schema, monkeypatch):
+    write_events(tmp_path / "events", n=1000)
+    preprocess_events(PreprocessConfig(), schema, tmp_path / "events", tmp_path / "pre")
+    monkeypatch.setattr(shard, "MAX_SPILL_BUCKETS", 3)
+    with pytest.raises(ConfigError, match="shuffle_buffer_rows to at least 267"):
+        write_shards(ShardConfig(shuffle_buffer_rows=100), tmp_path / "pre", tmp_path / "s")
