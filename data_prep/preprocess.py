@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from data_prep.errors import ConfigError, DataError, InputNotFoundError
 from data_prep.schema import SchemaConfig
+from data_prep.sequences import build_sequences
 from data_prep.transform import (
     FitStats,
     TransformApplier,
@@ -115,6 +116,12 @@ class PreprocessConfig(BaseModel):
     batch_rows: int = Field(
         default=200_000, ge=1, description="Rows read and transformed per batch."
     )
+    sequence_length: int | None = Field(
+        default=None,
+        ge=1,
+        description="When set, also write per-user behaviour sequences of at most this many "
+        "items under sequences/ (needs schema.user_key and schema.item_key as sparse fields).",
+    )
 
     @model_validator(mode="after")
     def _train_remains(self) -> "PreprocessConfig":
@@ -140,6 +147,7 @@ class PreprocessResult:
     test_start_ts: int | None
     split: str = "time"
     leakage: dict[str, float] | None = None
+    sequences: dict[str, int] | None = None
 
 
 def preprocess_events(
@@ -214,6 +222,17 @@ def preprocess_events(
     empty = [s for s in SPLITS if rows[s] == 0]
     if empty:
         raise DataError(f"split(s) {empty} are empty after transforming ({rows}).")
+    sequences = None
+    if config.sequence_length is not None:
+        built = build_sequences(
+            {split: out_dir / split for split in SPLITS},
+            schema.user_key,
+            schema.item_key,
+            ts_name,
+            config.sequence_length,
+            out_dir / "sequences",
+        )
+        sequences = built.rows
     time_plan = plan if isinstance(plan, _TimePlan) else None
     return PreprocessResult(
         out_dir=out_dir,
@@ -222,6 +241,7 @@ def preprocess_events(
         valid_start_ts=time_plan.valid_start if time_plan else None,
         test_start_ts=time_plan.test_start if time_plan else None,
         split=config.split,
+        sequences=sequences,
         leakage={
             name: max(per_label.values(), default=0.5)
             for name, per_label in transform["leakage"]["single_feature_train_auc"].items()
@@ -248,6 +268,15 @@ def _check_config(config: PreprocessConfig, schema: SchemaConfig) -> None:
             f"preprocess.leakage_allow names {unknown}, which are not sparse or dense fields "
             f"({sorted(features)}); fix the names or remove them."
         )
+    if config.sequence_length is not None:
+        for key in ("user_key", "item_key"):
+            name = getattr(schema, key)
+            spec = next((f for f in schema.fields if f.name == name), None)
+            if spec is None or spec.role != "sparse" or spec.multi_hot:
+                raise ConfigError(
+                    f"preprocess.sequence_length needs schema.{key} naming a single-valued "
+                    f"sparse field (got {name!r}); set it, or drop sequence_length."
+                )
     if config.split == "leave_last_out":
         if schema.user_key is None:
             raise ConfigError(

@@ -10,14 +10,19 @@ from data_prep.schema import SchemaConfig
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.progress import terminal_progress
 
-MODULES = ["data_prep/preprocess.py", "data_prep/transform.py", "data_prep/schema.py"]
+MODULES = [
+    "data_prep/preprocess.py",
+    "data_prep/transform.py",
+    "data_prep/sequences.py",
+    "data_prep/schema.py",
+]
 
 
 @task(name="preprocess", **task_options())
 def preprocess_task(
     config: PreprocessConfig, schema: SchemaConfig, ingest: StageOutput, root: str, mode: Mode
 ) -> StageOutput:
-    """Split clean events by time and fit the feature transform on train."""
+    """Split clean events, fit the feature transform on train, transform every split."""
     section = {"preprocess": config.model_dump(), "schema": schema.model_dump()}
     fp = stage_fingerprint("preprocess", section, [ingest], MODULES)
 
@@ -31,6 +36,9 @@ def preprocess_task(
             "vocab_sizes": result.vocab_sizes,
             "valid_start_ts": result.valid_start_ts,
             "test_start_ts": result.test_start_ts,
+            "split": result.split,
+            "leakage": result.leakage,
+            "sequences": result.sequences,
         }
 
     output = run_stage("preprocess", fp, mode, root, produce)
@@ -39,6 +47,6 @@ def preprocess_task(
             key="preprocess-summary",
             table=[{"split": s, "rows": n} for s, n in output.meta["rows"].items()]
             + [{"split": f"vocab:{f}", "rows": n} for f, n in output.meta["vocab_sizes"].items()],
-            description="Rows per time split and vocabulary sizes (fitted on train only).",
+            description="Rows per split and vocabulary sizes (fitted on train only).",
         )
     return as_state(output)

@@ -114,3 +114,27 @@ def test_criteo_sample(tmp_path):
     tables = split_tables(dataset, tmp_path / "shards")
     assert_time_ordered_splits(tables, "ts")
     assert tables["train"].num_rows > tables["test"].num_rows > 0
+
+
+@needs_shared
+def test_movielens_leave_last_out_with_sequences(tmp_path):
+    overrides = [
+        f"ingest.path={RATINGS}",
+        "preprocess.split=leave_last_out",
+        "preprocess.sequence_length=50",
+    ]
+    config = load_config(REPO / "configs" / "ml-latest-small.yaml", overrides)
+    ingest_logs(config.ingest, config.schema_, tmp_path / "ingest")
+    result = preprocess_events(
+        config.preprocess, config.schema_, tmp_path / "ingest" / "events", tmp_path / "pre"
+    )
+    # Every user in ml-latest-small has >= 20 ratings: one test and one valid event each.
+    assert result.rows["test"] == result.rows["valid"] == 610
+    assert result.sequences == {"train": 610, "valid": 610, "test": 610}
+    seq = tmp_path / "pre" / "sequences"
+    test = pq.read_table(seq / "test.parquet")
+    train = {r["user"]: r["history"] for r in pq.read_table(seq / "train.parquet").to_pylist()}
+    for row in test.to_pylist():
+        assert 1 <= len(row["history"]) <= 50
+        # The training sequence is a prefix of what the test event sees (plus valid).
+        assert row["history"][-2] == train[row["user"]][-1]
