@@ -243,3 +243,27 @@ def test_too_many_spill_buckets_is_a_config_error(tmp_path, schema, monkeypatch)
     monkeypatch.setattr(shard, "MAX_SPILL_BUCKETS", 3)
     with pytest.raises(ConfigError, match="shuffle_buffer_rows to at least 267"):
         write_shards(ShardConfig(shuffle_buffer_rows=100), tmp_path / "pre", tmp_path / "s")
+
+
+def test_a_thousand_sparse_slots_in_one_counting_pass(tmp_path):
+    from data_prep.schema import SchemaConfig
+
+    rng = np.random.default_rng(0)
+    n, slots = 2000, 1000
+    columns = {"ts": np.arange(n) + 1_700_000_000, "click": rng.integers(0, 2, n)}
+    for i in range(slots):
+        columns[f"s{i}"] = rng.integers(0, 5 + i % 20, n)
+    (tmp_path / "events").mkdir()
+    pq.write_table(pa.table(columns), tmp_path / "events" / "part-00000.parquet")
+    schema = SchemaConfig(
+        fields=[
+            {"name": "ts", "dtype": "int64", "role": "timestamp"},
+            {"name": "click", "dtype": "int64", "role": "label"},
+            *({"name": f"s{i}", "dtype": "int64", "role": "sparse"} for i in range(slots)),
+        ]
+    )
+    result = preprocess_events(PreprocessConfig(), schema, tmp_path / "events", tmp_path / "pre")
+    train_rows = result.rows["train"]
+    for i in (0, 7, 999):
+        values, counts = np.unique(columns[f"s{i}"][:train_rows], return_counts=True)
+        assert result.vocab_sizes[f"s{i}"] == int((counts >= 2).sum()) + 1

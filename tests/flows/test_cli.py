@@ -62,3 +62,17 @@ def test_serve_builds_a_scheduled_deployment_with_typed_parameters():
     run_params = schema["definitions"]["RunParams"]["properties"]
     assert {"config", "root", "from_stage", "only", "force", "overrides"} <= set(run_params)
     assert "evaluate" in str(run_params["from_stage"])
+
+
+def test_task_runner_flags():
+    from prefect.task_runners import ThreadPoolTaskRunner
+    from prefect_dask import DaskTaskRunner
+
+    from flows.cli import task_runner
+
+    threads = task_runner(3, None)
+    assert isinstance(threads, ThreadPoolTaskRunner) and threads._max_workers == 3
+    local = task_runner(None, "local:2")
+    assert isinstance(local, DaskTaskRunner) and local.cluster_kwargs["n_workers"] == 2
+    remote = task_runner(None, "tcp://10.0.0.1:8786")
+    assert remote.address == "tcp://10.0.0.1:8786"
