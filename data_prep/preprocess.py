@@ -34,7 +34,6 @@ the number of events.
 """
 
 import math
-import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,6 +65,8 @@ from data_prep.transform import (
 
 SPLITS = ("train", "valid", "test")
 T = TypeVar("T")
+# Runs a per-file step over file indices, yielding results in file order.
+FileMapper = Callable[[Callable[[int], T], range], Iterator[T]]
 TRAIN, VALID, TEST = 0, 1, 2
 # Bins per refinement pass of the time split: 2**16 bins narrow a range of 2**32
 # seconds (136 years) to single seconds in two passes.
@@ -156,6 +157,7 @@ def preprocess_events(
     events_dir: Path,
     out_dir: Path,
     on_progress: Callable[[int], None] | None = None,
+    map_files: FileMapper | None = None,
 ) -> PreprocessResult:
     """Split events, fit the transform on train, transform every split.
 
@@ -164,7 +166,11 @@ def preprocess_events(
         schema: roles and transforms of the columns.
         events_dir: ingest's ``events`` directory.
         out_dir: an empty directory to write into (the caller publishes it).
-        on_progress: called with the number of rows transformed so far.
+        on_progress: called with the number of rows transformed so far (per file).
+        map_files: runs the per-file counting and transform steps, ``map_files(fn,
+            range(files))`` yielding results in file order; the default uses one thread
+            per core. The task layer passes one that maps through the Prefect task
+            runner (threads or Dask), so ``fn`` must stay picklable.
 
     Returns:
         Row counts per split, vocabulary sizes, the split and the leak figures.
@@ -179,6 +185,8 @@ def preprocess_events(
     _check_config(config, schema)
     events = _Events.find(Path(events_dir), config.batch_rows, schema)
     workers = pa.cpu_count()
+    if map_files is None:
+        map_files = partial(ordered_map, workers=workers)
     if config.split == "time":
         plan: _TimePlan | _UserPlan = _plan_time_split(events, schema, config)
     else:
@@ -188,7 +196,7 @@ def preprocess_events(
     # one partial per file, merged in file order (so the result does not depend on workers).
     stats = empty_stats(schema)
     count_file = partial(_count_file, events, plan=plan, schema=schema)
-    for part in ordered_map(count_file, range(len(events.files)), workers):
+    for part in map_files(count_file, range(len(events.files))):
         merge_stats(stats, part)
     transform = fit_transform(stats, schema, config.min_count)
     transform["split"] = plan.describe()
@@ -198,7 +206,6 @@ def preprocess_events(
     save_transform(transform, out_dir / "transform.json")
 
     applier = TransformApplier(transform)
-    progress = _Progress(on_progress)
     ts_name = schema.timestamp.name
     if isinstance(plan, _TimePlan):
         guard: _TimeGuard | _UserGuard = _TimeGuard(ts_name)
@@ -211,13 +218,14 @@ def preprocess_events(
         applier=applier,
         guard=guard.empty,
         out_dir=out_dir,
-        progress=progress,
     )
     rows = dict.fromkeys(SPLITS, 0)
-    for file_rows, file_guard in ordered_map(transform_file, range(len(events.files)), workers):
+    for file_rows, file_guard in map_files(transform_file, range(len(events.files))):
         guard.merge(file_guard)
         for split in SPLITS:
             rows[split] += file_rows[split]
+        if on_progress is not None:
+            on_progress(sum(rows.values()))
     guard.check()
     empty = [s for s in SPLITS if rows[s] == 0]
     if empty:
@@ -641,7 +649,6 @@ def _transform_file(
     applier: TransformApplier,
     guard: Callable[[], "_TimeGuard | _UserGuard"],
     out_dir: Path,
-    progress: "_Progress",
 ) -> tuple[dict[str, int], "_TimeGuard | _UserGuard"]:
     """Transform one file into ``<split>/part-<index>.parquet``; rows per split and its guard."""
     dictionary = dictionary_columns(applier.transform)
@@ -660,26 +667,10 @@ def _transform_file(
                     writer.write(table)
                 elif mask.any():
                     writer.write(table.filter(mask))
-            progress.advance(batch.num_rows)
     finally:
         for writer in writers:
             writer.close()
     return {split: w.rows for split, w in zip(SPLITS, writers, strict=True)}, checked
-
-
-class _Progress:
-    """Thread-safe running row count for ``on_progress``."""
-
-    def __init__(self, callback: Callable[[int], None] | None) -> None:
-        self.callback = callback
-        self.done = 0
-        self._lock = threading.Lock()
-
-    def advance(self, rows: int) -> None:
-        with self._lock:
-            self.done += rows
-            if self.callback:
-                self.callback(self.done)
 
 
 def ordered_map(fn: Callable[[int], T], items: range, workers: int) -> Iterator[T]:

@@ -7,12 +7,14 @@ at once; transient ones (I/O, a crashed rank) are retried with exponential
 backoff and jitter.
 """
 
+import os
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect import get_run_logger
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 from prefect.tasks import exponential_backoff
@@ -146,3 +148,30 @@ def as_state(output: StageOutput) -> StageOutput | State:
     if output.status == "cached":
         return Completed(name="Cached", message=f"cache hit: {output.output}", data=output)
     return output
+
+
+@task(name="map-file", **task_options())
+def file_step_task(step: Callable[[int], Any], index: int) -> Any:
+    """One per-file step of a data stage (a counting or transform pass over one file)."""
+    return step(index)
+
+
+def prefect_file_mapper(stage: Stage) -> Callable[[Callable[[int], Any], range], Iterator[Any]]:
+    """A ``map_files`` for the libraries that runs each file's step on the flow's task runner.
+
+    Threads locally, Dask workers under a DaskTaskRunner. Results come back in file
+    order and at most one step per core (plus one) is in flight, so memory stays bounded.
+    """
+    step_task = file_step_task.with_options(name=f"map-{stage}")
+    window = os.cpu_count() or 2
+
+    def map_files(step: Callable[[int], Any], items: range) -> Iterator[Any]:
+        pending = deque()
+        for index in items:
+            pending.append(step_task.submit(step, index))
+            if len(pending) > window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    return map_files

@@ -7,7 +7,15 @@ from prefect.artifacts import create_table_artifact
 
 from data_prep.preprocess import PreprocessConfig, preprocess_events
 from data_prep.schema import SchemaConfig
-from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
+from tasks.common import (
+    Mode,
+    StageOutput,
+    as_state,
+    prefect_file_mapper,
+    run_stage,
+    stage_fingerprint,
+    task_options,
+)
 from tasks.progress import terminal_progress
 
 MODULES = [
@@ -29,7 +37,12 @@ def preprocess_task(
     def produce(out_dir: Path) -> dict:
         with terminal_progress("preprocess rows", ingest.meta.get("good_rows")) as advance:
             result = preprocess_events(
-                config, schema, Path(ingest.output) / "events", out_dir, on_progress=advance
+                config,
+                schema,
+                Path(ingest.output) / "events",
+                out_dir,
+                on_progress=advance,
+                map_files=prefect_file_mapper("preprocess"),
             )
         return {
             "rows": result.rows,

@@ -255,7 +255,20 @@ def test_dask_cluster_gives_the_same_data_outputs_as_threads(first_run, raw_dir,
         overrides=[f"ingest.path={raw_dir}"],
     )
     on_dask = pipeline.with_options(task_runner=DaskTaskRunner(cluster_kwargs=cluster))
-    dask_record = json.loads(Path(on_dask(params)).read_text())
+    state = on_dask(params, return_state=True)
+    dask_record = json.loads(Path(state.result()).read_text())
+    # The per-file steps ran as their own task runs on the cluster.
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])
+            )
+        )
+    names = {r.name.rsplit("-", 1)[0] for r in runs}
+    assert {"read-file", "map-preprocess"} <= names, names
     for stage in ("ingest", "preprocess", "shard"):
         ours = Path(dask_record["stages"][stage]["output"]) / "_manifest.json"
         files = json.loads(ours.read_text())["files"]
