@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # GPU, point TORCH_INDEX at https://download.pytorch.org/whl/cpu to avoid the CUDA build.
 TORCH_INDEX ?=
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+# DeepSpeed compiles a CPU communication op on first use (~45 s); keep it with the venv so
+# another checkout's venv does not invalidate it.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: demo test lint clean
 
