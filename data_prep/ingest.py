@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from data_prep.errors import DataError, InputNotFoundError, SchemaError
 from data_prep.readers import Format, TextBatch, read_batches
 from data_prep.schema import FieldSpec, SchemaConfig
+from data_prep.transform import splitmix64
 
 _EXTENSIONS: dict[str, Format] = {
     ".csv": "csv",
@@ -639,7 +640,7 @@ def validate_batch(
         typed[spec.name], checks, key = parse(text, spec, schema)
         for reason, mask in checks:
             flag(reason, mask)
-        row_hash = _mix(row_hash * _MULTIPLIER + key)
+        row_hash = splitmix64(row_hash * _MULTIPLIER + key)
     if seen is not None and n:
         good = reason_of < 0
         duplicate = np.zeros(n, dtype=bool)
@@ -882,15 +883,6 @@ _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 _NULL_HASH = np.uint64(0x5BD1E9955BD1E995)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijection of uint64 that scatters nearby values."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 @lru_cache(maxsize=8)
 def _powers(size: int) -> np.ndarray:
     """_MULTIPLIER ** k mod 2**64 for k < size."""
@@ -904,7 +896,7 @@ def _hash_numbers(values: pa.Array) -> np.ndarray:
     array = values.to_numpy()
     if array.dtype == np.float64:
         array = array + 0.0
-    return _mix(array.view(np.uint64) ^ _MULTIPLIER)
+    return splitmix64(array.view(np.uint64) ^ _MULTIPLIER)
 
 
 def _hash_sequences(offsets: np.ndarray, items: np.ndarray) -> np.ndarray:
@@ -921,7 +913,7 @@ def _hash_sequences(offsets: np.ndarray, items: np.ndarray) -> np.ndarray:
         position = np.arange(offsets[-1]) - np.repeat(start, lengths)
         terms = items * _powers(size)[position]
         sums[nonempty] = np.add.reduceat(terms, start[nonempty])
-    return _mix(sums ^ _mix(lengths.astype(np.uint64) + _MULTIPLIER))
+    return splitmix64(sums ^ splitmix64(lengths.astype(np.uint64) + _MULTIPLIER))
 
 
 def _hash_text(text: pa.Array) -> np.ndarray:

@@ -30,6 +30,7 @@ from tasks.store import ArtifactStore
 MODULES = [
     "data_prep/ingest.py",
     "data_prep/readers.py",
+    "data_prep/transform.py",
     "data_prep/schema.py",
     "data_prep/drift.py",
 ]
