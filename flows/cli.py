@@ -9,6 +9,8 @@ from pathlib import Path
 
 from data_prep.errors import RecforgeError
 
+# tasks.common.STAGES, spelled out so argument errors need no Prefect import (a test keeps
+# them equal).
 STAGE_NAMES = ("ingest", "preprocess", "shard", "train", "evaluate", "export")
 
 

@@ -136,18 +136,13 @@ class ArtifactStore:
 
     def record_latest(self, pipeline: str, stage: str, output: Path) -> None:
         """Point ``latest/<pipeline>/<stage>.json`` at an output, atomically."""
-        pointer = self.root / "latest" / pipeline / f"{stage}.json"
-        pointer.parent.mkdir(parents=True, exist_ok=True)
-        tmp = pointer.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
-        _write_json_durable(tmp, {"output": str(output)})
-        os.replace(tmp, pointer)
+        _write_json_atomic(
+            self.root / "latest" / pipeline / f"{stage}.json", {"output": str(output)}
+        )
 
     def write_run_record(self, run_id: str, record: dict) -> Path:
         path = self.root / "runs" / run_id / "summary.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
-        _write_json_durable(tmp, record)
-        os.replace(tmp, path)
+        _write_json_atomic(path, record)
         return path
 
     def publish_model(self, model_name: str, version: str, package_dir: Path) -> Path:
@@ -173,6 +168,14 @@ def _write_json_durable(path: Path, payload: dict) -> None:
         json.dump(payload, handle, indent=2, default=str)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    """Write JSON next to ``path`` and rename it into place: readers see old or new, whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
+    _write_json_durable(tmp, payload)
+    os.replace(tmp, path)
 
 
 def _replace_dir(staging: Path, final: Path) -> None:

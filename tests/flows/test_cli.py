@@ -76,3 +76,10 @@ def test_task_runner_flags():
     assert isinstance(local, DaskTaskRunner) and local.cluster_kwargs["n_workers"] == 2
     remote = task_runner(None, "tcp://10.0.0.1:8786")
     assert remote.address == "tcp://10.0.0.1:8786"
+
+
+def test_cli_stage_names_match_the_pipeline():
+    from flows.cli import STAGE_NAMES
+    from tasks.common import STAGES
+
+    assert STAGE_NAMES == STAGES
