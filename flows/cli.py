@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect's temporary server gets 20 s to start by default; on a busy 2-core machine
+    # that is not always enough, and a run should not fail for it.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     try:
         if args.command == "run":
             return _run(args)

@@ -15,15 +15,34 @@ from prefect.artifacts import (
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.progress import terminal_progress
 from training.config import TrainConfig
-from training.train import train_model
+from training.memory import machine_memory_bytes
+from training.train import PHASES, train_model
 
 MODULES = [
     "training/config.py",
     "training/data.py",
+    "training/embedding.py",
+    "training/memory.py",
     "training/model.py",
+    "training/reader.py",
     "training/train.py",
     "training/worker.py",
 ]
+# Share of the machine's memory the ranks may plan for; the rest is the OS, Prefect
+# and the page cache the reader lives on.
+MEMORY_SHARE = 0.85
+
+
+def memory_budget(config: TrainConfig, accelerator: str) -> tuple[int, str]:
+    """Per-rank memory budget for the planner, and where the figure comes from."""
+    if accelerator == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        return int(total * MEMORY_SHARE), f"{MEMORY_SHARE:.0%} of GPU 0's memory"
+    total = machine_memory_bytes()
+    return (
+        int(total * MEMORY_SHARE / config.world_size),
+        f"{MEMORY_SHARE:.0%} of this machine's {total / 2**30:.1f} GiB / {config.world_size} ranks",
+    )
 
 
 def free_port() -> int:
@@ -54,30 +73,46 @@ def train_task(config: TrainConfig, shard: StageOutput, root: str, mode: Mode) -
                     progress_id, progress=100.0 * record["step"] / record["total_steps"]
                 )
 
+            accelerator = "cuda" if torch.cuda.is_available() else "cpu"
             result = train_model(
                 config,
                 Path(shard.output),
                 out_dir,
-                accelerator="cuda" if torch.cuda.is_available() else "cpu",
+                accelerator=accelerator,
                 master_port=free_port(),
                 env=dict(os.environ),
                 on_log=logger.info,
                 on_progress=on_progress,
+                memory_budget=memory_budget(config, accelerator),
             )
         update_progress_artifact(progress_id, progress=100.0)
         rows = "\n".join(
-            f"| {r['step']} | {r['loss']:.5f} | {r['samples_per_s']:.0f} |" for r in history
+            f"| {r['step']} | {r['loss']:.5f} | {r['samples_per_s']:.0f} | "
+            + " | ".join(f"{r['step_ms'][phase]:.1f}" for phase in PHASES)
+            + f" | {' / '.join(f'{m:.0f}' for m in r['rss_mb'])} |"
+            for r in history
         )
         create_markdown_artifact(
             key="train-loss",
-            markdown="| step | loss | samples/s |\n|---|---|---|\n" + rows,
-            description="Training loss by step (rank 0)",
+            markdown="| step | loss | samples/s | "
+            + " | ".join(f"{phase} ms" for phase in PHASES)
+            + " | RSS MB per rank |\n|"
+            + "---|" * (4 + len(PHASES))
+            + "\n"
+            + rows,
+            description="Training loss, throughput, step time split and memory by step",
+        )
+        create_markdown_artifact(
+            key="train-memory-plan",
+            markdown=result.memory_plan.table(),
+            description="Planned memory per rank (training.memory)",
         )
         return {
             "final_loss": result.final_loss,
             "steps": result.steps,
             "samples_per_s": result.samples_per_s,
             "seconds": result.seconds,
+            "step_ms": result.step_ms,
         }
 
     return as_state(run_stage("train", fp, mode, root, produce))

@@ -62,8 +62,66 @@ class TrainConfig(BaseModel):
         0.0, ge=0, description="Clip the global gradient norm to this value; 0 disables."
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="Training precision of the dense side; the loss is always fp32."
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="Training precision of the dense side (fp16 uses loss scaling); the "
+        "embedding rows, their optimizer state and the loss are always fp32.",
+    )
+    loss_scale: float = Field(
+        0.0, ge=0, description="fp16 only: a static loss scale, or 0 for dynamic loss scaling."
+    )
+    offload_optimizer: bool = Field(
+        False,
+        description="Keep the dense optimizer state (and fp32 masters) in CPU memory "
+        "(DeepSpeed ZeRO-Offload); needs zero_stage >= 1.",
+    )
+    embeddings: Literal["sharded", "dense"] = Field(
+        "sharded",
+        description="'sharded': fused tables with rows sharded across ranks, exchanged by "
+        "all-to-all and updated by a row-wise sparse optimizer (the parameter-server role). "
+        "'dense': nn.EmbeddingBag inside the DeepSpeed module with dense AdamW, for small "
+        "tables and as a baseline.",
+    )
+    sparse_optimizer: Literal["rowwise_adagrad", "lazy_adam"] = Field(
+        "rowwise_adagrad",
+        description="Optimizer of the sharded embedding rows: 'rowwise_adagrad' (one "
+        "accumulator per row) or 'lazy_adam' (Adam moments per element, updated only for "
+        "the rows in the batch).",
+    )
+    sparse_lr: float = Field(0.05, gt=0, description="Learning rate of the embedding rows.")
+    admission_min_count: int = Field(
+        0,
+        ge=0,
+        description="Frequency admission: an id gets its own row only once it has been seen "
+        "this many times; until then it shares its feature's default row. 0 or 1 admits all.",
+    )
+    pooling: Literal["sum", "mean"] = Field(
+        "mean", description="How the embeddings of a multi-hot feature's ids are pooled."
+    )
+    tasks: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Labels to train one head each for (multi-task, e.g. [click, purchase]); "
+        "the losses are summed. Default: the dataset's primary label only.",
+    )
+    data_streams: int | None = Field(
+        None,
+        ge=1,
+        description="Partitions of the train split read in lock step; each step takes the "
+        "same rows from every stream. Fix it (a multiple of world_size) to make the global "
+        "batches independent of world_size. Default: world_size.",
+    )
+    prefetch_batches: int = Field(
+        4, ge=1, description="Batches each rank's reader decodes ahead in the background."
+    )
+    memory_per_rank_gb: float | None = Field(
+        None,
+        gt=0,
+        description="Memory budget of one rank for the memory planner. Default: this "
+        "machine's memory divided by the ranks (or the GPU's memory).",
+    )
+    tensorboard: bool = Field(
+        True, description="Write TensorBoard event files to <train output>/tensorboard."
     )
     world_size: int = Field(2, ge=1, description="Number of training ranks (processes).")
     seed: int = Field(0, description="Seed of python, numpy and torch on every rank.")
@@ -81,7 +139,33 @@ class TrainConfig(BaseModel):
                 f"train.embedding_dim ({self.embedding_dim}) for interaction='dot'; "
                 f"set bottom_mlp to e.g. {[*self.bottom_mlp[:-1], self.embedding_dim]}"
             )
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError(
+                "train.offload_optimizer needs train.zero_stage >= 1 (ZeRO-Offload partitions "
+                "the optimizer state); set zero_stage: 1, 2 or 3, or offload_optimizer: false"
+            )
+        if self.loss_scale and self.precision != "fp16":
+            raise ValueError(
+                f"train.loss_scale={self.loss_scale} only applies to precision: fp16; "
+                "remove it or set precision: fp16"
+            )
+        streams = self.num_data_streams()
+        if streams % self.world_size:
+            raise ValueError(
+                f"train.data_streams={streams} must be a multiple of train.world_size="
+                f"{self.world_size}; every rank reads the same number of streams"
+            )
+        if self.global_batch_size() // self.grad_accum_steps % streams:
+            raise ValueError(
+                f"train.data_streams={streams} must divide the rows of one micro step over "
+                f"all ranks (batch_size * world_size = {self.batch_size * self.world_size}); "
+                "change batch_size or data_streams"
+            )
         return self
+
+    def num_data_streams(self) -> int:
+        """Streams the train split is read as: `data_streams`, or `world_size` if unset."""
+        return self.world_size if self.data_streams is None else self.data_streams
 
     def global_batch_size(self, world_size: int | None = None) -> int:
         """Samples per optimizer step over all ranks.

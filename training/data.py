@@ -1,15 +1,17 @@
-"""Read the shard directory: its `dataset.json` and per-rank batches from its Parquet files.
+"""Read the shard directory: its `dataset.json` and one rank's rows of its Parquet files.
 
 Reads `<shards_dir>/dataset.json` and the split's Parquet files (paths relative to
 `shards_dir`), streamed one record batch at a time with pyarrow; a split is never
 loaded whole. Writes nothing.
 
-Ranks and files: with at least `world_size` files, rank r reads files r, r+W, ...;
-with fewer files every file is cut into `world_size` contiguous row ranges and
-rank r reads range r of each. Every rank must run the same number of training steps
-(a rank that stops early leaves the others blocked in a collective), so
-`steps_per_epoch` is computed from the row counts in `dataset.json` as the minimum
-over ranks, and `iter_batches` stops every rank at that count.
+This module holds the `dataset.json` contract (`DatasetMeta`), the model input
+(`Batch`) and its conversion from Arrow (`to_batch`), and the plain sequential reader
+that evaluation and export use (`iter_tables`). Training reads through
+`training.reader.ShardReader`, which streams the same files in lock-stepped streams.
+
+Ranks and files (`rank_slices`): with at least `world_size` files, rank r reads files
+r, r+W, ...; with fewer files every file is cut into `world_size` contiguous row
+ranges and rank r reads range r of each.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from data_prep.errors import InputNotFoundError, SchemaError
+from data_prep.errors import ConfigError, InputNotFoundError, SchemaError
 
 DATASET_FILE = "dataset.json"
 
@@ -66,23 +69,87 @@ class DatasetMeta(BaseModel):
 
     model_config = _READ_MODEL
 
-    label: str = Field(description="Label column (float32 0/1).")
-    sparse: list[SparseFeature] = Field(min_length=1, description="Sparse features, in order.")
+    label: str = Field(description="Primary label column (float32 0/1).")
+    labels: list[str] = Field(
+        min_length=1,
+        description="Every label column, the primary one included; defaults to [label] "
+        "when dataset.json predates multi-task datasets.",
+    )
+    sparse: list[SparseFeature] = Field(
+        default_factory=list, description="Single-valued sparse features (int64), in order."
+    )
+    multi_hot: list[SparseFeature] = Field(
+        default_factory=list,
+        description="Multi-hot sparse features (list<int64> columns), in order.",
+    )
     dense: list[str] = Field(description="Dense feature columns (float32), in order.")
     oracle: str | None = Field(
         None, description="Column with the true click probability (evaluation only), or None."
     )
     splits: dict[str, SplitMeta] = Field(description="Splits by name.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_labels(cls, data: object) -> object:
+        # Older dataset.json files have no "labels"; the primary label is then the only one.
+        if isinstance(data, dict) and data.get("labels") is None and "label" in data:
+            return {**data, "labels": [data["label"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _check_features(self) -> DatasetMeta:
+        if not self.sparse and not self.multi_hot:
+            raise ValueError(
+                "dataset.json lists no sparse and no multi_hot feature; the model needs at "
+                "least one categorical feature (mark a column as sparse in the schema)"
+            )
+        if self.label not in self.labels:
+            raise ValueError(
+                f"dataset.json: the primary label {self.label!r} is not among labels "
+                f"{self.labels}; rebuild the shards"
+            )
+        return self
+
     @property
     def sparse_names(self) -> list[str]:
-        """Sparse feature names in model input order."""
+        """Single-valued sparse feature names in model input order."""
         return [feature.name for feature in self.sparse]
 
     @property
     def num_embeddings(self) -> list[int]:
-        """Table sizes of the sparse features in model input order."""
+        """Table sizes of the single-valued sparse features in model input order."""
         return [feature.num_embeddings for feature in self.sparse]
+
+    @property
+    def multi_hot_names(self) -> list[str]:
+        """Multi-hot feature names in model input order."""
+        return [feature.name for feature in self.multi_hot]
+
+    @property
+    def table_sizes(self) -> list[int]:
+        """Table sizes of all embedding tables: single-valued features, then multi-hot ones."""
+        return [*self.num_embeddings, *(feature.num_embeddings for feature in self.multi_hot)]
+
+    def task_labels(self, tasks: list[str] | None) -> list[str]:
+        """The label columns to train or score, one per task.
+
+        Args:
+            tasks: Label names (`train.tasks`), or None for the primary label only.
+
+        Returns:
+            `[label]` for None, else `tasks` in the given order.
+
+        Raises:
+            ConfigError: A task names a label the dataset does not have.
+        """
+        if tasks is None:
+            return [self.label]
+        unknown = [task for task in tasks if task not in self.labels]
+        if unknown:
+            raise ConfigError(
+                f"train.tasks: {unknown} are not labels of this dataset; choose from {self.labels}"
+            )
+        return list(tasks)
 
     def split(self, name: str) -> SplitMeta:
         """The named split.
@@ -96,11 +163,16 @@ class DatasetMeta(BaseModel):
 
 
 class Batch(NamedTuple):
-    """One model input batch. B = rows, F = sparse features, Dn = dense features."""
+    """One model input batch.
 
-    sparse: torch.Tensor  # (B, F) int64
+    B = rows, F = single-valued sparse features, Dn = dense features, T = tasks,
+    L_f = the longest list of multi-hot feature f in this batch (at least 1).
+    """
+
+    sparse: torch.Tensor  # (B, F) int64, single-valued features in meta.sparse order
     dense: torch.Tensor  # (B, Dn) float32
-    label: torch.Tensor  # (B,) float32
+    labels: torch.Tensor  # (B, T) float32, columns in the order of `tasks`
+    multi_hot: tuple[torch.Tensor, ...]  # one (B, L_f) int64 per multi-hot feature, -1 padded
 
 
 def load_dataset_meta(shards_dir: Path) -> DatasetMeta:
@@ -146,26 +218,6 @@ def rank_slices(split: SplitMeta, rank: int, world_size: int) -> list[tuple[str,
     ]
 
 
-def steps_per_epoch(meta: DatasetMeta, split: str, world_size: int, batch_size: int) -> int:
-    """Full micro batches per epoch that every rank can run.
-
-    Args:
-        meta: The dataset description.
-        split: Split name.
-        world_size: Number of ranks.
-        batch_size: Rows per micro batch and rank.
-
-    Returns:
-        min over ranks of (rows of the rank // batch_size).
-    """
-    split_meta = meta.split(split)
-    rows = [
-        sum(end - start for _, start, end in rank_slices(split_meta, rank, world_size))
-        for rank in range(world_size)
-    ]
-    return min(rows) // batch_size
-
-
 def iter_tables(
     shards_dir: Path,
     meta: DatasetMeta,
@@ -194,7 +246,7 @@ def iter_tables(
 
     Raises:
         InputNotFoundError: A file listed in dataset.json is missing.
-        SchemaError: A file's row count differs from dataset.json.
+        SchemaError: A file has fewer rows than dataset.json promises, or lacks a column.
     """
     pending: list[pa.RecordBatch] = []
     pending_rows = 0
@@ -222,6 +274,16 @@ def _read_rows(
         raise InputNotFoundError(f"{path} is listed in {DATASET_FILE} but does not exist")
     parquet = pq.ParquetFile(path)
     metadata = parquet.metadata
+    if metadata.num_rows < end:
+        raise SchemaError(
+            f"{path} has {metadata.num_rows} rows but {DATASET_FILE} promises at least {end}; "
+            "rebuild the shards"
+        )
+    missing = [name for name in columns if name not in parquet.schema_arrow.names]
+    if missing:
+        raise SchemaError(
+            f"{path} lacks the columns {missing} that {DATASET_FILE} lists; rebuild the shards"
+        )
     offset = 0
     for group in range(metadata.num_row_groups):
         group_rows = metadata.row_group(group).num_rows
@@ -239,81 +301,107 @@ def _read_rows(
             position += record_batch.num_rows
             if hi > lo:
                 yield record_batch.slice(lo, hi - lo)
-    if offset < end:
-        raise SchemaError(
-            f"{path} has {offset} rows but {DATASET_FILE} promises at least {end}; "
-            "rebuild the shards"
-        )
+        if offset >= end:
+            break
 
 
-def to_batch(table: pa.Table, meta: DatasetMeta) -> Batch:
+def to_batch(table: pa.Table, meta: DatasetMeta, tasks: list[str] | None = None) -> Batch:
     """Convert a table of shard rows to model tensors.
 
+    Each column is copied once, chunk by chunk, straight into its place in the output
+    arrays, so a table concatenated from many slices costs no extra copy.
+
     Args:
-        table: B rows with the sparse, dense and label columns of `meta`.
+        table: B rows with the sparse, multi-hot, dense and task label columns of `meta`.
         meta: The dataset description.
+        tasks: Label columns, in order (`train.tasks`); None for the primary label only.
 
     Returns:
-        The batch: sparse (B, F) int64, dense (B, Dn) float32, label (B,) float32.
-    """
-    rows = table.num_rows
-    sparse = np.empty((rows, len(meta.sparse)), dtype=np.int64)
-    for i, name in enumerate(meta.sparse_names):
-        sparse[:, i] = table.column(name).to_numpy()
-    dense = np.empty((rows, len(meta.dense)), dtype=np.float32)
-    for i, name in enumerate(meta.dense):
-        dense[:, i] = table.column(name).to_numpy()
-    label = np.empty(rows, dtype=np.float32)  # writable copy: torch warns on read-only
-    label[:] = table.column(meta.label).to_numpy()
-    return Batch(torch.from_numpy(sparse), torch.from_numpy(dense), torch.from_numpy(label))
-
-
-def model_columns(meta: DatasetMeta) -> list[str]:
-    """The columns a training batch needs: sparse, dense, label."""
-    return [*meta.sparse_names, *meta.dense, meta.label]
-
-
-def iter_batches(
-    shards_dir: Path,
-    meta: DatasetMeta,
-    split: str,
-    rank: int,
-    world_size: int,
-    batch_size: int,
-    num_steps: int | None = None,
-) -> Iterator[Batch]:
-    """Yield one rank's training batches for one pass over a split.
-
-    Args:
-        shards_dir: The shard directory.
-        meta: Its dataset description.
-        split: Split name.
-        rank: This rank.
-        world_size: Number of ranks.
-        batch_size: Rows per batch (micro batch per rank).
-        num_steps: Batches to yield; defaults to `steps_per_epoch`, the same on every rank.
-
-    Yields:
-        Exactly `num_steps` full batches (sparse (B, F), dense (B, Dn), label (B,)).
+        The batch: sparse (B, F) int64, dense (B, Dn) float32, labels (B, T) float32,
+        multi_hot one (B, L_f) int64 per multi-hot feature, padded with -1.
 
     Raises:
-        SchemaError: The rank's files hold fewer rows than dataset.json promises.
+        ConfigError: A task is not a label of the dataset.
+        SchemaError: A multi-hot column is not a list column.
     """
-    limit = steps_per_epoch(meta, split, world_size, batch_size)
-    if num_steps is not None:
-        if num_steps > limit:
-            raise ValueError(f"num_steps={num_steps} exceeds the {limit} steps of one epoch")
-        limit = num_steps
-    if limit == 0:
-        return
-    tables = iter_tables(shards_dir, meta, split, rank, world_size, batch_size, model_columns(meta))
-    produced = 0
-    for table in tables:
-        yield to_batch(table, meta)
-        produced += 1
-        if produced == limit:
-            return
-    raise SchemaError(
-        f"rank {rank} read only {produced} batches of split {split!r} but {DATASET_FILE} "
-        f"promises {limit}; rebuild the shards"
+    labels = meta.task_labels(tasks)
+    rows = table.num_rows
+    sparse = _fill_columns(table, meta.sparse_names, np.empty((rows, len(meta.sparse)), np.int64))
+    dense = _fill_columns(table, meta.dense, np.empty((rows, len(meta.dense)), np.float32))
+    # Copies into fresh, writable arrays: torch warns on read-only numpy memory.
+    label_values = _fill_columns(table, labels, np.empty((rows, len(labels)), np.float32))
+    multi_hot = tuple(
+        torch.from_numpy(pad_multi_hot(table.column(name), name)) for name in meta.multi_hot_names
     )
+    return Batch(
+        torch.from_numpy(sparse), torch.from_numpy(dense), torch.from_numpy(label_values), multi_hot
+    )
+
+
+def _fill_columns(table: pa.Table, names: Sequence[str], out: np.ndarray) -> np.ndarray:
+    """Copy the named scalar columns of `table` into the columns of `out` (B, len(names))."""
+    for i, name in enumerate(names):
+        position = 0
+        for chunk in table.column(name).chunks:
+            out[position : position + len(chunk), i] = chunk.to_numpy(zero_copy_only=False)
+            position += len(chunk)
+    return out
+
+
+def pad_multi_hot(column: pa.ChunkedArray | pa.Array, name: str = "multi-hot") -> np.ndarray:
+    """Pad a list<int64> column into a dense id matrix, without a Python loop per row.
+
+    Args:
+        column: B lists of ids (a list or large_list column, possibly chunked).
+        name: Column name, for the error message.
+
+    Returns:
+        (B, L) int64, row i holding list i followed by -1s; L = the longest list, at
+        least 1. Empty and null lists give a row of -1s, null ids give -1.
+
+    Raises:
+        SchemaError: The column is not a list column.
+    """
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        raise SchemaError(
+            f"multi-hot column {name!r} has type {column.type}, not list<int64>; rebuild the shards"
+        )
+    # Null lists count as empty; flatten() skips them (and honours slice offsets).
+    lengths = [
+        pc.fill_null(pc.list_value_length(chunk), 0).to_numpy().astype(np.int64, copy=False)
+        for chunk in chunks
+    ]
+    width = max([1, *(int(part.max()) for part in lengths if len(part))])
+    out = np.full((len(column), width), -1, dtype=np.int64)
+    position = 0
+    for chunk, length in zip(chunks, lengths, strict=True):
+        values = chunk.flatten()
+        if values.null_count:
+            values = pc.fill_null(values, -1)
+        values = values.to_numpy(zero_copy_only=False)
+        # Element j of the flattened ids is in row repeat(arange(B), length)[j] at column
+        # j - (start of that row's list).
+        rows = np.repeat(np.arange(len(length)), length)
+        starts = np.cumsum(length) - length
+        cols = np.arange(len(values)) - np.repeat(starts, length)
+        out[position + rows, cols] = values
+        position += len(chunk)
+    return out
+
+
+def model_columns(meta: DatasetMeta, tasks: list[str] | None = None) -> list[str]:
+    """The columns a batch needs: sparse, multi-hot, dense, then the task labels.
+
+    Args:
+        meta: The dataset description.
+        tasks: Label columns (`train.tasks`); None for the primary label only.
+
+    Returns:
+        Column names, without duplicates.
+
+    Raises:
+        ConfigError: A task is not a label of the dataset.
+    """
+    columns = [*meta.sparse_names, *meta.multi_hot_names, *meta.dense, *meta.task_labels(tasks)]
+    return list(dict.fromkeys(columns))

@@ -2,9 +2,10 @@
 
 Reads `<train_dir>/model_config.json` and `<train_dir>/model.safetensors`, and the
 split's Parquet files (streamed in batches). Writes `<out_dir>/metrics.json`:
-`split`, `num_rows`, `auc`, `logloss`, `click_rate`, `mean_prediction`, and
-`bayes_auc` (the AUC of the dataset's oracle column, the best any model can do)
-when dataset.json names an oracle.
+`split`, `num_rows`, `auc`, `logloss`, `click_rate`, `mean_prediction` of the
+first (primary) task, `bayes_auc` (the AUC of the dataset's oracle column, the best
+any model can do) when dataset.json names an oracle, and `auc/<label>`,
+`logloss/<label>` per task for a multi-task model.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def evaluate_model(
         InputNotFoundError: A model file, dataset.json or a shard file is missing.
         SchemaError: The split is empty or holds only one class.
     """
-    model, _ = load_model(train_dir)
+    model, model_config = load_model(train_dir)
+    tasks = list(model_config["tasks"])
     meta = load_dataset_meta(shards_dir)
-    columns = model_columns(meta) + ([meta.oracle] if meta.oracle else [])
+    columns = model_columns(meta, tasks) + ([meta.oracle] if meta.oracle else [])
     tables = iter_tables(
         shards_dir, meta, config.split, 0, 1, config.batch_size, columns, drop_last=False
     )
@@ -79,22 +81,26 @@ def evaluate_model(
     oracle: list[np.ndarray] = []
     with torch.no_grad():
         for table in tables:
-            sparse, dense, label = to_batch(table, meta)
-            logits = model(sparse, dense)  # (B,)
+            batch = to_batch(table, meta, tasks)
+            logits = model(batch.sparse, batch.dense, *batch.multi_hot)  # (B, T)
             probabilities.append(torch.sigmoid(logits.double()).numpy())
-            labels.append(label.numpy())
+            labels.append(batch.labels.numpy())
             if meta.oracle:
                 oracle.append(table.column(meta.oracle).to_numpy())
     if not labels:
         raise SchemaError(f"split {config.split!r} of {shards_dir} has no rows to evaluate")
-    y = np.concatenate(labels)
-    p = np.concatenate(probabilities)
+    y_all = np.concatenate(labels)  # (N, T)
+    p_all = np.concatenate(probabilities)  # (N, T)
+    # The first task is the primary one: its metrics are the unprefixed keys.
+    y, p = y_all[:, 0], p_all[:, 0]
     try:
         auc = roc_auc(y, p)
         bayes_auc = roc_auc(y, np.concatenate(oracle)) if meta.oracle else None
+        task_aucs = {task: roc_auc(y_all[:, t], p_all[:, t]) for t, task in enumerate(tasks)}
     except ValueError as error:
         raise SchemaError(
-            f"split {config.split!r} of {shards_dir}: {error}; it needs clicks and non-clicks"
+            f"split {config.split!r} of {shards_dir}: {error}; every task label needs "
+            "positives and negatives"
         ) from error
 
     logloss = log_loss(y, p)
@@ -110,6 +116,10 @@ def evaluate_model(
     }
     if bayes_auc is not None:
         metrics["bayes_auc"] = bayes_auc
+    if len(tasks) > 1:
+        for t, task in enumerate(tasks):
+            metrics[f"auc/{task}"] = task_aucs[task]
+            metrics[f"logloss/{task}"] = log_loss(y_all[:, t], p_all[:, t])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / METRICS_FILE

@@ -6,8 +6,10 @@ transform file, `dataset.json` and the first test rows of the shards, and option
 the evaluation's metrics.json. Writes into `out_dir`:
 
 - `model.safetensors`, `model_config.json`: the weights and how to rebuild the module;
-- `model.onnx`: inputs `sparse` int64 (B, F) and `dense` float32 (B, Dn), output
-  `score` float32 (B,), the click probability; the batch axis is dynamic;
+- `model.onnx`: inputs `sparse` int64 (B, F), `dense` float32 (B, Dn) and, per
+  multi-hot feature, `multi_hot_<name>` int64 (B, L) padded with -1; output `score`
+  float32, the probability of each task's label: (B,) for one task, (B, T) for
+  several; the batch axis (and L) are dynamic;
 - `model.ts`: the same graph as TorchScript (torch.jit.trace);
 - `transform.json`: a copy of the fitted transform (raw values -> model inputs);
 - `signature.json`: feature names in input order, dtypes, shapes, input/output names;
@@ -36,7 +38,7 @@ from torch import nn
 from data_prep.errors import InputNotFoundError, ParityError, SchemaError
 from training.config import ExportConfig
 from training.data import DatasetMeta, iter_tables, load_dataset_meta, model_columns, to_batch
-from training.model import DLRM, MODEL_CONFIG_FILE, WEIGHTS_FILE, load_model
+from training.model import MODEL_CONFIG_FILE, WEIGHTS_FILE, CTRModel, load_model
 from training.train import SUMMARY_FILE, TRAIN_CONFIG_FILE
 
 INPUT_NAMES = ("sparse", "dense")
@@ -68,21 +70,26 @@ class ScoringModule(nn.Module):
         model: The trained model.
     """
 
-    def __init__(self, model: DLRM) -> None:
+    def __init__(self, model: CTRModel) -> None:
         super().__init__()
         self.model = model
+        self.single_task = len(model.tasks) == 1
 
-    def forward(self, sparse: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        """Click probabilities.
+    def forward(
+        self, sparse: torch.Tensor, dense: torch.Tensor, *multi_hot: torch.Tensor
+    ) -> torch.Tensor:
+        """Label probabilities.
 
         Args:
             sparse: (B, F) int64 indices.
             dense: (B, Dn) float32 features.
+            *multi_hot: One (B, L) int64 per multi-hot feature, padded with -1.
 
         Returns:
-            (B,) float32 probabilities.
+            (B,) float32 probabilities for one task, (B, T) for several.
         """
-        return torch.sigmoid(self.model(sparse, dense))
+        probabilities = torch.sigmoid(self.model(sparse, dense, *multi_hot))  # (B, T)
+        return probabilities[:, 0] if self.single_task else probabilities
 
 
 def export_model(
@@ -118,24 +125,29 @@ def export_model(
             raise InputNotFoundError(f"{path} does not exist")
     model, model_config = load_model(train_dir)
     meta = load_dataset_meta(shards_dir)
-    sparse, dense = _parity_inputs(shards_dir, meta, config.parity_rows)
+    parity = _parity_inputs(shards_dir, meta, config.parity_rows)  # sparse, dense, multi-hot
+    input_names = _input_names(meta)
     scorer = ScoringModule(model).eval()
     with torch.no_grad():
-        scores = scorer(sparse, dense).numpy()  # (N,)
+        scores = scorer(*parity).numpy()  # (N,) or (N, T)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "parity").mkdir(exist_ok=True)
     # Trace on a slice smaller than the parity sample, so scoring the parity sample also
     # checks that the batch axis is really dynamic.
-    example = (sparse[:2], dense[:2])
+    example = tuple(tensor[:2] for tensor in parity)
     onnx_path = out_dir / "model.onnx"
     torch.onnx.export(
         scorer,
         example,
         str(onnx_path),
-        input_names=list(INPUT_NAMES),
+        input_names=input_names,
         output_names=[OUTPUT_NAME],
-        dynamic_axes={name: {0: "batch"} for name in (*INPUT_NAMES, OUTPUT_NAME)},
+        dynamic_axes={
+            OUTPUT_NAME: {0: "batch"},
+            **{name: {0: "batch"} for name in INPUT_NAMES},
+            **{name: {0: "batch", 1: f"{name}_length"} for name in input_names[2:]},
+        },
         opset_version=config.opset,
         dynamo=False,
     )
@@ -144,11 +156,11 @@ def export_model(
     ts_path = out_dir / "model.ts"
     torch.jit.save(traced, str(ts_path))
 
-    inputs = {"sparse": sparse.numpy(), "dense": dense.numpy()}
+    inputs = {name: tensor.numpy() for name, tensor in zip(input_names, parity, strict=True)}
     session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     onnx_scores = session.run([OUTPUT_NAME], inputs)[0]
     with torch.no_grad():
-        ts_scores = torch.jit.load(str(ts_path))(sparse, dense).numpy()
+        ts_scores = torch.jit.load(str(ts_path))(*parity).numpy()
     diff_onnx = _max_abs_diff(scores, onnx_scores)
     diff_ts = _max_abs_diff(scores, ts_scores)
     if not (diff_onnx <= config.parity_atol and diff_ts <= config.parity_atol):
@@ -163,7 +175,7 @@ def export_model(
     shutil.copyfile(train_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
     (out_dir / MODEL_CONFIG_FILE).write_text(json.dumps(model_config, indent=2) + "\n")
     shutil.copyfile(transform_path, out_dir / "transform.json")
-    signature = _signature(config, meta)
+    signature = _signature(config, meta, list(model_config["tasks"]))
     (out_dir / "signature.json").write_text(json.dumps(signature, indent=2) + "\n")
     metrics = json.loads(Path(metrics_path).read_text()) if metrics_path is not None else None
     card = _model_card(
@@ -179,17 +191,20 @@ def export_model(
     )
 
 
-def _parity_inputs(
-    shards_dir: Path, meta: DatasetMeta, rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `rows` test rows as (sparse (N, F), dense (N, Dn))."""
+def _input_names(meta: DatasetMeta) -> list[str]:
+    """The ONNX input names: sparse, dense, then one per multi-hot feature."""
+    return [*INPUT_NAMES, *(f"multi_hot_{name}" for name in meta.multi_hot_names)]
+
+
+def _parity_inputs(shards_dir: Path, meta: DatasetMeta, rows: int) -> tuple[torch.Tensor, ...]:
+    """The first `rows` test rows as (sparse (N, F), dense (N, Dn), *multi-hot (N, L))."""
     columns = model_columns(meta)
     tables = iter_tables(shards_dir, meta, PARITY_SPLIT, 0, 1, rows, columns, drop_last=False)
     table = next(iter(tables), None)
     if table is None:
         raise SchemaError(f"the {PARITY_SPLIT} split of {shards_dir} has no rows for parity")
-    sparse, dense, _ = to_batch(table, meta)
-    return sparse, dense
+    batch = to_batch(table, meta)
+    return (batch.sparse, batch.dense, *batch.multi_hot)
 
 
 def _max_abs_diff(expected: np.ndarray, actual: np.ndarray) -> float:
@@ -198,7 +213,7 @@ def _max_abs_diff(expected: np.ndarray, actual: np.ndarray) -> float:
     return float(np.max(np.abs(expected.astype(np.float64) - actual.astype(np.float64))))
 
 
-def _signature(config: ExportConfig, meta: DatasetMeta) -> dict[str, Any]:
+def _signature(config: ExportConfig, meta: DatasetMeta, tasks: list[str]) -> dict[str, Any]:
     return {
         "model_name": config.model_name,
         "inputs": [
@@ -216,16 +231,28 @@ def _signature(config: ExportConfig, meta: DatasetMeta) -> dict[str, Any]:
                 "shape": ["batch", len(meta.dense)],
                 "features": list(meta.dense),
             },
+            *(
+                {
+                    "name": f"multi_hot_{feature.name}",
+                    "dtype": "int64",
+                    "shape": ["batch", "length"],
+                    "features": [feature.name],
+                    "num_embeddings": [feature.num_embeddings],
+                    "padding": -1,
+                }
+                for feature in meta.multi_hot
+            ),
         ],
         "outputs": [
             {
                 "name": OUTPUT_NAME,
                 "dtype": "float32",
-                "shape": ["batch"],
-                "description": f"probability that {meta.label} = 1",
+                "shape": ["batch"] if len(tasks) == 1 else ["batch", len(tasks)],
+                "description": " / ".join(f"probability that {task} = 1" for task in tasks),
             }
         ],
         "label": meta.label,
+        "tasks": tasks,
         "files": {"onnx": "model.onnx", "torchscript": "model.ts", "transform": "transform.json"},
     }
 
@@ -251,9 +278,11 @@ def _model_card(
         "",
         "## Model",
         "",
-        f"DLRM-style CTR model, `{model_config['interaction']}` interaction. Inputs `sparse` "
-        f"int64 (B, {len(meta.sparse)}) and `dense` float32 (B, {len(meta.dense)}); output "
-        f"`score` float32 (B,), the probability that `{meta.label}` = 1.",
+        f"CTR model ({'DLRM dot' if model_config['interaction'] == 'dot' else 'DCN-v2 cross'}"
+        f" interaction). Inputs `sparse` int64 (B, {len(meta.sparse)}), `dense` float32 "
+        f"(B, {len(meta.dense)})"
+        + "".join(f", `multi_hot_{name}` int64 (B, L)" for name in meta.multi_hot_names)
+        + f"; output `score` float32, the probability of {model_config['tasks']}.",
         "",
         "```json",
         json.dumps(model_config, indent=2),
@@ -265,6 +294,7 @@ def _model_card(
         "|---|---|---|---|",
         *(f"| sparse | {i} | {f.name} | {f.num_embeddings} |" for i, f in enumerate(meta.sparse)),
         *(f"| dense | {i} | {name} | |" for i, name in enumerate(meta.dense)),
+        *(f"| multi_hot_{f.name} | | {f.name} | {f.num_embeddings} |" for f in meta.multi_hot),
         "",
         "Raw values become model inputs through `transform.json`; index 0 is the OOV bucket.",
         "",

@@ -1,17 +1,19 @@
-"""CTR models: DLRM with a dot-product or a DCN-v2 cross interaction.
+"""CTR models: DLRM (dot interaction) and DCN-v2 (cross network), multi-hot, multi-task.
 
-The module takes plain typed arguments. `model_config_from` turns the train config
-and the dataset description into a JSON-able dict of exactly those arguments
-(saved as `model_config.json` next to the weights), and `build_model` rebuilds
-the module from that dict, so evaluation and export never need the train config.
+The modules take plain typed arguments. `model_config_from` turns the train config
+and the dataset description into a JSON-able dict of exactly the `CTRModel`
+arguments (saved as `model_config.json` next to the weights), and `build_model`
+rebuilds the module from that dict, so evaluation and export never need the train
+config.
 
-Shapes: B = batch, F = sparse features, Dn = dense features, D = embedding_dim.
+Shapes: B = batch, F = sparse features (Fs single-valued, then multi-hot), L = ids of
+a multi-hot feature in the batch, Dn = dense features, D = embedding_dim, T = tasks,
+U = embedding rows the batch reads.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,18 +25,22 @@ from torch import nn
 from data_prep.errors import InputNotFoundError
 from training.config import TrainConfig
 from training.data import DatasetMeta
+from training.embedding import init_rows, table_offsets
 
 MODEL_CONFIG_FILE = "model_config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 _MODEL_ARGS = (
-    "num_embeddings",
+    "table_sizes",
+    "num_multi_hot",
     "num_dense",
     "embedding_dim",
     "bottom_mlp",
     "top_mlp",
     "interaction",
     "num_cross_layers",
+    "tasks",
+    "pooling",
 )
 
 
@@ -47,24 +53,31 @@ def _mlp(in_features: int, sizes: list[int]) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-class DLRM(nn.Module):
-    """DLRM-style CTR model: embeddings + bottom MLP -> interaction -> top MLP -> logit.
+class CTRArch(nn.Module):
+    """Everything of a CTR model but the embedding table: pooling, MLPs, interaction, heads.
 
-    Dot interaction (DLRM): the bottom MLP output and the F embeddings, F + 1 vectors
-    of width D, interact through their pairwise dot products (upper triangle without
-    the diagonal), which are concatenated with the bottom output.
+    It reads embeddings from a `rows` tensor through index tensors, so the same module
+    runs on a full table (scoring, and training with dense embeddings) and on the
+    unique rows a sharded lookup fetched for one batch (training with the sharded
+    store, where DeepSpeed wraps this module alone).
+
+    Dot interaction (DLRM): the bottom MLP output and the F pooled embeddings, F + 1
+    vectors of width D, interact through their pairwise dot products (upper triangle
+    without the diagonal), concatenated with the bottom output.
     Cross interaction (DCN-v2): x0 = [bottom output, all embeddings] passes through
     `num_cross_layers` layers x_{l+1} = x0 * (W_l x_l + b_l) + x_l.
+    One linear head per task on the top MLP's output.
 
     Args:
-        num_embeddings: Table size of each sparse feature (F tables of width D).
-        num_dense: Number of dense features Dn.
-        embedding_dim: Embedding width D.
-        bottom_mlp: Layer sizes of the MLP over the dense features; the last must be D
-            for the dot interaction.
-        top_mlp: Hidden layer sizes after the interaction; a 1-unit layer is appended.
+        num_features: F, single-valued plus multi-hot features.
+        num_dense: Dn.
+        embedding_dim: D.
+        bottom_mlp: Layer sizes over the dense features; the last must be D for "dot".
+        top_mlp: Hidden layer sizes after the interaction.
         interaction: "dot" or "cross".
-        num_cross_layers: Number of cross layers ("cross" only).
+        num_cross_layers: Cross layers ("cross" only).
+        num_tasks: T heads.
+        pooling: "sum" or "mean" over a multi-hot feature's ids.
 
     Raises:
         ValueError: An argument is out of range or the sizes do not fit together.
@@ -72,34 +85,37 @@ class DLRM(nn.Module):
 
     def __init__(
         self,
-        num_embeddings: list[int],
+        num_features: int,
         num_dense: int,
         embedding_dim: int,
         bottom_mlp: list[int],
         top_mlp: list[int],
         interaction: str,
         num_cross_layers: int,
+        num_tasks: int,
+        pooling: str,
     ) -> None:
         super().__init__()
-        if not num_embeddings:
-            raise ValueError("num_embeddings: need at least one sparse feature")
+        if num_features < 1:
+            raise ValueError("num_features: need at least one sparse feature")
         if not bottom_mlp:
             raise ValueError("bottom_mlp: need at least one layer")
         if interaction not in ("dot", "cross"):
             raise ValueError(f"interaction must be 'dot' or 'cross', got {interaction!r}")
+        if pooling not in ("sum", "mean"):
+            raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
         if interaction == "dot" and bottom_mlp[-1] != embedding_dim:
             raise ValueError(
                 f"bottom_mlp[-1] ({bottom_mlp[-1]}) must equal embedding_dim "
                 f"({embedding_dim}) for the dot interaction"
             )
         self.interaction = interaction
-        num_sparse = len(num_embeddings)
-
-        self.embeddings = nn.ModuleList(nn.Embedding(n, embedding_dim) for n in num_embeddings)
+        self.pooling = pooling
+        # Shared row of each feature for ids not (yet) admitted by frequency admission.
+        self.default_rows = nn.Parameter(torch.zeros(num_features, embedding_dim))
         self.bottom = _mlp(num_dense, bottom_mlp)
-
         if interaction == "dot":
-            vectors = num_sparse + 1
+            vectors = num_features + 1
             rows, cols = torch.triu_indices(vectors, vectors, offset=1)
             # Flat positions of the upper triangle in the (F+1) x (F+1) Gram matrix.
             # Not persistent: it is derived from the shapes, not learned.
@@ -107,69 +123,168 @@ class DLRM(nn.Module):
             interaction_width = bottom_mlp[-1] + vectors * (vectors - 1) // 2
             self.cross = nn.ModuleList()
         else:
-            interaction_width = bottom_mlp[-1] + num_sparse * embedding_dim
+            interaction_width = bottom_mlp[-1] + num_features * embedding_dim
             self.cross = nn.ModuleList(
                 nn.Linear(interaction_width, interaction_width) for _ in range(num_cross_layers)
             )
         self.top = _mlp(interaction_width, top_mlp)
-        self.head = nn.Linear(top_mlp[-1] if top_mlp else interaction_width, 1)
-        self._init_embeddings()
+        self.heads = nn.Linear(top_mlp[-1] if top_mlp else interaction_width, num_tasks)
 
-    def _init_embeddings(self) -> None:
-        # DLRM reference init: U(-1/sqrt(n), 1/sqrt(n)); N(0, 1) would swamp the MLPs.
-        for table in self.embeddings:
-            bound = 1.0 / math.sqrt(table.num_embeddings)
-            nn.init.uniform_(table.weight, -bound, bound)
-
-    def forward(self, sparse: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        rows: torch.Tensor,
+        sparse_index: torch.Tensor,
+        dense: torch.Tensor,
+        multi_index: list[torch.Tensor],
+        row_admitted: torch.Tensor | None = None,
+        row_feature: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Score a batch.
 
         Args:
-            sparse: (B, F) int64 indices, column i in [0, num_embeddings[i]).
-            dense: (B, Dn) floats, in the dtype of the parameters.
+            rows: (U, D) embedding rows.
+            sparse_index: (B, Fs) int64 row of each single-valued feature in `rows`.
+            dense: (B, Dn) dense features, in the dtype of the parameters.
+            multi_index: One (B, L) int64 per multi-hot feature: rows in `rows`, -1 pads.
+            row_admitted: (U,) bool; rows not admitted are replaced by the default row
+                of their feature. None: all admitted.
+            row_feature: (U,) int64 feature of each row (needed with row_admitted).
 
         Returns:
-            (B,) logits.
+            (B, T) logits.
         """
+        rows = rows.to(dense.dtype)
+        if row_admitted is not None:
+            defaults = self.default_rows[row_feature]  # (U, D)
+            rows = torch.where(row_admitted[:, None], rows, defaults)
+        pooled = [rows[sparse_index]]  # (B, Fs, D)
+        for index in multi_index:
+            valid = (index >= 0).to(rows.dtype)[..., None]  # (B, L, 1)
+            summed = (rows[index.clamp(min=0)] * valid).sum(dim=1)  # (B, D)
+            if self.pooling == "mean":
+                summed = summed / valid.sum(dim=1).clamp(min=1.0)
+            pooled.append(summed[:, None, :])
+        embedded = torch.cat(pooled, dim=1)  # (B, F, D)
         bottom = self.bottom(dense)  # (B, Db)
-        embedded = [table(sparse[:, i]) for i, table in enumerate(self.embeddings)]  # F x (B, D)
         if self.interaction == "dot":
-            vectors = torch.stack([bottom, *embedded], dim=1)  # (B, F+1, D)
+            vectors = torch.cat([bottom[:, None, :], embedded], dim=1)  # (B, F+1, D)
             gram = torch.bmm(vectors, vectors.transpose(1, 2))  # (B, F+1, F+1)
             pairs = gram.flatten(1)[:, self.pair_index]  # (B, (F+1)F/2)
             features = torch.cat([bottom, pairs], dim=1)
         else:
-            x0 = torch.cat([bottom, *embedded], dim=1)  # (B, Db + F*D)
+            x0 = torch.cat([bottom, embedded.flatten(1)], dim=1)  # (B, Db + F*D)
             x = x0
             for layer in self.cross:
                 x = x0 * layer(x) + x
             features = x
-        return self.head(self.top(features)).squeeze(1)  # (B,)
+        return self.heads(self.top(features))  # (B, T)
+
+
+class CTRModel(nn.Module):
+    """A CTR model with its whole fused embedding table: the scoring (and export) form.
+
+    Feature f's id i is row `offsets[f] + i` of the table (single-valued features
+    first, then multi-hot ones). Trained with `embeddings: dense`, this is also the
+    DeepSpeed module (nn.Embedding and dense AdamW); the sharded engine trains a bare
+    `CTRArch` and writes the consolidated table into this form.
+
+    Args:
+        table_sizes: Rows per feature.
+        num_multi_hot: How many of the last features are multi-hot.
+        num_dense, embedding_dim, bottom_mlp, top_mlp, interaction, num_cross_layers,
+        pooling: See `CTRArch`.
+        tasks: Label of each head, in output order.
+    """
+
+    def __init__(
+        self,
+        table_sizes: list[int],
+        num_multi_hot: int,
+        num_dense: int,
+        embedding_dim: int,
+        bottom_mlp: list[int],
+        top_mlp: list[int],
+        interaction: str,
+        num_cross_layers: int,
+        tasks: list[str],
+        pooling: str,
+    ) -> None:
+        super().__init__()
+        if not 0 <= num_multi_hot <= len(table_sizes):
+            raise ValueError(f"num_multi_hot={num_multi_hot} out of [0, {len(table_sizes)}]")
+        self.num_multi_hot = num_multi_hot
+        self.tasks = list(tasks)
+        # The engine's init, independent of the world size; the worker reseeds it.
+        weight = init_rows(table_sizes, embedding_dim, seed=0)
+        self.embedding = nn.Embedding(sum(table_sizes), embedding_dim, _weight=weight)
+        self.register_buffer("offsets", table_offsets(table_sizes)[:-1], persistent=False)
+        self.arch = CTRArch(
+            len(table_sizes),
+            num_dense,
+            embedding_dim,
+            bottom_mlp,
+            top_mlp,
+            interaction,
+            num_cross_layers,
+            len(tasks),
+            pooling,
+        )
+
+    def forward(
+        self, sparse: torch.Tensor, dense: torch.Tensor, *multi_hot: torch.Tensor
+    ) -> torch.Tensor:
+        """Score a batch.
+
+        Args:
+            sparse: (B, Fs) int64 ids, column f in [0, table_sizes[f]).
+            dense: (B, Dn) floats, in the dtype of the parameters.
+            *multi_hot: One (B, L) int64 per multi-hot feature, padded with -1.
+
+        Returns:
+            (B, T) logits.
+        """
+        num_single = self.offsets.shape[0] - self.num_multi_hot
+        sparse_index = sparse + self.offsets[:num_single]
+        multi_index = [
+            torch.where(ids >= 0, ids + self.offsets[num_single + i], ids)
+            for i, ids in enumerate(multi_hot)
+        ]
+        return self.arch(self.embedding.weight, sparse_index, dense, multi_index)
 
 
 def model_config_from(train_config: TrainConfig, dataset_meta: DatasetMeta) -> dict[str, Any]:
-    """The `DLRM` constructor arguments for a train config and a dataset.
+    """The `CTRModel` constructor arguments for a train config and a dataset.
 
     Args:
         train_config: The train section.
         dataset_meta: The shard directory's description (feature order and sizes).
 
     Returns:
-        A JSON-able dict with exactly the `DLRM.__init__` arguments.
+        A JSON-able dict with exactly the `CTRModel.__init__` arguments.
     """
     return {
-        "num_embeddings": dataset_meta.num_embeddings,
+        "table_sizes": dataset_meta.table_sizes,
+        "num_multi_hot": len(dataset_meta.multi_hot),
         "num_dense": len(dataset_meta.dense),
         "embedding_dim": train_config.embedding_dim,
         "bottom_mlp": list(train_config.bottom_mlp),
         "top_mlp": list(train_config.top_mlp),
         "interaction": train_config.interaction,
         "num_cross_layers": train_config.num_cross_layers,
+        "tasks": dataset_meta.task_labels(train_config.tasks),
+        "pooling": train_config.pooling,
     }
 
 
-def build_model(model_config: Mapping[str, Any]) -> DLRM:
-    """Build a freshly initialised `DLRM` from a `model_config_from` dict.
+def _check_keys(model_config: Mapping[str, Any]) -> None:
+    missing = sorted(set(_MODEL_ARGS) - set(model_config))
+    unknown = sorted(set(model_config) - set(_MODEL_ARGS))
+    if missing or unknown:
+        raise ValueError(f"model config: missing keys {missing}, unknown keys {unknown}")
+
+
+def build_model(model_config: Mapping[str, Any]) -> CTRModel:
+    """Build a freshly initialised `CTRModel` from a `model_config_from` dict.
 
     Args:
         model_config: The constructor arguments (e.g. read from model_config.json).
@@ -180,14 +295,27 @@ def build_model(model_config: Mapping[str, Any]) -> DLRM:
     Raises:
         ValueError: Keys are missing or unknown.
     """
-    missing = sorted(set(_MODEL_ARGS) - set(model_config))
-    unknown = sorted(set(model_config) - set(_MODEL_ARGS))
-    if missing or unknown:
-        raise ValueError(f"model config: missing keys {missing}, unknown keys {unknown}")
-    return DLRM(**{name: model_config[name] for name in _MODEL_ARGS})
+    _check_keys(model_config)
+    return CTRModel(**{name: model_config[name] for name in _MODEL_ARGS})
 
 
-def load_model(train_dir: Path) -> tuple[DLRM, dict[str, Any]]:
+def build_arch(model_config: Mapping[str, Any]) -> CTRArch:
+    """Build the `CTRArch` (no table) of a `model_config_from` dict, for sharded training."""
+    _check_keys(model_config)
+    return CTRArch(
+        len(model_config["table_sizes"]),
+        model_config["num_dense"],
+        model_config["embedding_dim"],
+        model_config["bottom_mlp"],
+        model_config["top_mlp"],
+        model_config["interaction"],
+        model_config["num_cross_layers"],
+        len(model_config["tasks"]),
+        model_config["pooling"],
+    )
+
+
+def load_model(train_dir: Path) -> tuple[CTRModel, dict[str, Any]]:
     """Rebuild a trained model from `model_config.json` and `model.safetensors`.
 
     Args:

@@ -4,11 +4,16 @@ Reads `<shards_dir>/dataset.json` (the train split's files are read by the ranks
 Writes to `out_dir`:
 
 - `train_config.json`: the resolved train config;
-- `model_config.json`: the `DLRM` constructor arguments (see `training.model`);
+- `model_config.json`: the `CTRModel` constructor arguments (see `training.model`);
+- `memory_plan.json`: the memory planner's per-rank estimate (see `training.memory`);
 - `launch.json`: the launch spec the ranks read (configs, paths, step plan);
 - `launcher.log`: every line the launcher and its ranks printed;
 - and, from the ranks (see `training.worker`): `train_log.jsonl`, `checkpoints/final/`,
-  `model.safetensors` (consolidated fp32 weights) and `train_summary.json`.
+  `model.safetensors` (consolidated fp32 weights), `tensorboard/` and
+  `train_summary.json`.
+
+Before anything is launched, the memory planner estimates each rank's memory for
+the config and world size and refuses a config that cannot fit its budget.
 
 The ranks run as `python -m deepspeed.launcher.runner ... --module training.worker`
 in their own process group, which is killed if this function is interrupted, so
@@ -31,8 +36,10 @@ from typing import Any, Literal
 
 from data_prep.errors import ConfigError, TrainingCrashed
 from training.config import TrainConfig
-from training.data import DatasetMeta, load_dataset_meta, steps_per_epoch
-from training.model import MODEL_CONFIG_FILE, WEIGHTS_FILE, model_config_from
+from training.data import DatasetMeta, load_dataset_meta
+from training.memory import MemoryPlan, check_memory, plan_memory
+from training.model import MODEL_CONFIG_FILE, WEIGHTS_FILE, build_arch, model_config_from
+from training.reader import steps_per_epoch
 
 PROGRESS_PREFIX = "RECFORGE_PROGRESS "
 ERROR_PREFIX = "RECFORGE_ERROR "
@@ -43,6 +50,10 @@ SUMMARY_FILE = "train_summary.json"
 LAUNCHER_LOG_FILE = "launcher.log"
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_TAG = "final"
+TENSORBOARD_DIR = "tensorboard"
+MEMORY_PLAN_FILE = "memory_plan.json"
+# How each training step's time is split (see training.worker).
+PHASES = ("data", "lookup", "dense", "optimizer")
 TRAIN_SPLIT = "train"
 
 _TAIL_LINES = 20
@@ -61,6 +72,9 @@ class TrainResult:
         steps: Optimizer steps taken.
         samples_per_s: Training throughput over all ranks.
         seconds: Wall-clock seconds of the whole launch, process start-up included.
+        step_ms: Mean milliseconds per step in each phase (data, lookup, dense,
+            optimizer), averaged over ranks.
+        memory_plan: The planner's per-rank memory estimate.
     """
 
     out_dir: Path
@@ -68,6 +82,8 @@ class TrainResult:
     steps: int
     samples_per_s: float
     seconds: float
+    step_ms: dict[str, float]
+    memory_plan: MemoryPlan
 
 
 def plan_total_steps(config: TrainConfig, meta: DatasetMeta) -> int:
@@ -83,12 +99,15 @@ def plan_total_steps(config: TrainConfig, meta: DatasetMeta) -> int:
     Raises:
         ConfigError: The train split is too small for one optimizer step.
     """
-    micro_per_epoch = steps_per_epoch(meta, TRAIN_SPLIT, config.world_size, config.batch_size)
+    streams = config.num_data_streams()
+    rows_per_stream = config.batch_size * config.world_size // streams
+    micro_per_epoch = steps_per_epoch(meta, TRAIN_SPLIT, streams, rows_per_stream)
     if micro_per_epoch == 0:
         raise ConfigError(
             f"train.batch_size={config.batch_size}: the train split has "
-            f"{meta.split(TRAIN_SPLIT).rows} rows, fewer than one batch per rank for "
-            f"world_size={config.world_size}; lower batch_size or world_size"
+            f"{meta.split(TRAIN_SPLIT).rows} rows in {streams} streams, fewer than one batch "
+            f"of {config.batch_size} per rank for world_size={config.world_size}; lower "
+            "batch_size, world_size or data_streams"
         )
     if config.max_steps is not None:
         return config.max_steps
@@ -135,10 +154,20 @@ def build_deepspeed_config(
         "gradient_clipping": config.grad_clip,
         "zero_optimization": {"stage": config.zero_stage},
         "bf16": {"enabled": config.precision == "bf16"},
+        "fp16": {
+            "enabled": config.precision == "fp16",
+            # 0 = dynamic loss scaling (DeepSpeed's default initial scale 2^16).
+            "loss_scale": config.loss_scale,
+            "initial_scale_power": 16,
+        },
         # Progress is reported by the worker; silence DeepSpeed's own step prints.
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if config.offload_optimizer:
+        ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        # Keep torch's AdamW on the offloaded state: DeepSpeedCPUAdam would be compiled.
+        ds_config["zero_force_ds_cpu_optimizer"] = False
     if config.warmup_steps > 0:
         warmup = {
             "warmup_min_lr": 0.0,
@@ -166,6 +195,7 @@ def train_model(
     on_log: Callable[[str], None] | None = None,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     python: str = sys.executable,
+    memory_budget: tuple[int, str] | None = None,
 ) -> TrainResult:
     """Train a CTR model with `config.world_size` DeepSpeed ranks on this machine.
 
@@ -181,6 +211,8 @@ def train_model(
         on_progress: Called with every parsed progress record
             ({"step", "total_steps", "loss", "samples_per_s", "epoch"}).
         python: The interpreter that runs the launcher.
+        memory_budget: (bytes per rank, where that figure comes from) for the memory
+            planner when `train.memory_per_rank_gb` is unset; None skips the check then.
 
     Returns:
         The run's result.
@@ -188,7 +220,8 @@ def train_model(
     Raises:
         InputNotFoundError: dataset.json or the shard directory is missing.
         SchemaError: dataset.json is invalid or has no train split.
-        ConfigError: The train split is too small for the config.
+        ConfigError: The train split is too small for the config, or the memory plan
+            does not fit the budget (the message says what to change).
         TrainingCrashed: The launcher or a rank exited non-zero (message has the exit
             code and the last output lines).
     """
@@ -196,14 +229,23 @@ def train_model(
     shards_dir = Path(shards_dir).resolve()
     out_dir = Path(out_dir).resolve()
     launch_env = _launcher_env(env, accelerator)
+    if accelerator == "cpu" and config.precision == "fp16":
+        raise ConfigError(
+            "train.precision=fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 "
+            "kernels; use precision: bf16 (no loss scaling needed) or fp32 on CPU"
+        )
     meta = load_dataset_meta(shards_dir)
     total_steps = plan_total_steps(config, meta)
+
+    model_config = model_config_from(config, meta)
+    memory_plan = _plan_memory(config, meta, model_config, accelerator, memory_budget)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in (TRAIN_LOG_FILE, SUMMARY_FILE, WEIGHTS_FILE, LAUNCHER_LOG_FILE):
         (out_dir / stale).unlink(missing_ok=True)
-    model_config = model_config_from(config, meta)
+    _write_json(out_dir / MEMORY_PLAN_FILE, _plan_record(memory_plan))
     spec = {
+        "backend": "gloo" if accelerator == "cpu" else "nccl",
         "train_config": config.model_dump(mode="json"),
         "shards_dir": str(shards_dir),
         "out_dir": str(out_dir),
@@ -253,7 +295,37 @@ def train_model(
         steps=int(summary["steps"]),
         samples_per_s=float(summary["samples_per_s"]),
         seconds=time.monotonic() - started,
+        step_ms=dict(summary.get("step_ms", {})),
+        memory_plan=memory_plan,
     )
+
+
+def _plan_memory(
+    config: TrainConfig,
+    meta: DatasetMeta,
+    model_config: dict[str, Any],
+    accelerator: str,
+    memory_budget: tuple[int, str] | None,
+) -> MemoryPlan:
+    """Estimate per-rank memory and refuse a config that cannot fit (ConfigError)."""
+    num_dense_params = sum(p.numel() for p in build_arch(model_config).parameters())
+    plan = plan_memory(
+        config, meta.table_sizes, len(meta.dense), num_dense_params, config.world_size, accelerator
+    )
+    if config.memory_per_rank_gb is not None:
+        memory_budget = (int(config.memory_per_rank_gb * 2**30), "train.memory_per_rank_gb")
+    if memory_budget is not None:
+        check_memory(plan, config, *memory_budget)
+    return plan
+
+
+def _plan_record(plan: MemoryPlan) -> dict[str, Any]:
+    return {
+        "world_size": plan.world_size,
+        "per_rank_bytes": dict(plan.per_rank),
+        "host_offload_bytes": plan.host_offload,
+        "total_per_rank_bytes": plan.total,
+    }
 
 
 def _launcher_env(env: Mapping[str, str], accelerator: str) -> dict[str, str]:

@@ -4,11 +4,23 @@ Reads the launch spec written by `training.train` (train config, model config,
 DeepSpeed config, paths, step plan) and the train split of the shard directory.
 Writes, into the spec's `out_dir`:
 
-- `checkpoints/final/`: the DeepSpeed checkpoint (every rank writes its part);
-- `model.safetensors`: consolidated fp32 weights (rank 0);
+- `checkpoints/final/`: the DeepSpeed checkpoint of the dense part (every rank writes
+  its part) and, with sharded embeddings, `sparse-rank-RRRRR-of-WWWWW.safetensors`
+  per rank (its rows, their optimizer state and admission counts);
+- `model.safetensors`: consolidated fp32 weights of the whole `CTRModel` (rank 0);
 - `train_log.jsonl`: one progress record per logging step (rank 0), also printed as
   `RECFORGE_PROGRESS {...}` lines for the parent to stream;
-- `train_summary.json`: final loss, steps, throughput, seconds (rank 0).
+- `tensorboard/`: TensorBoard event files (rank 0) when `train.tensorboard` is on;
+- `train_summary.json`: final loss, steps, throughput, time split, memory (rank 0).
+
+Embeddings: with `train.embeddings: sharded` the table lives in a `ShardedEmbedding`
+(rows sharded over ranks, all-to-all lookups, row-wise sparse optimizer) and
+DeepSpeed wraps only the `CTRArch` (MLPs, interaction, heads, default rows). With
+`dense` the whole `CTRModel` (nn.Embedding inside) is the DeepSpeed module.
+
+Each step's time is split into data (waiting for the reader), lookup (ids to rows,
+both all-to-alls), dense (forward and backward) and optimizer (gradients to the
+owners, the dense step, the sparse step).
 
 The only environment this process reads is what the launcher sets for
 `deepspeed.init_distributed` (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...).
@@ -20,6 +32,7 @@ from __future__ import annotations
 
 import json
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -31,18 +44,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from data_prep.errors import ConfigError
 from training.config import TrainConfig
-from training.data import iter_batches, load_dataset_meta, steps_per_epoch
-from training.model import WEIGHTS_FILE, build_model
+from training.data import Batch, load_dataset_meta
+from training.embedding import ShardedEmbedding, gather_full_table, init_rows, table_offsets
+from training.model import WEIGHTS_FILE, build_arch, build_model
+from training.reader import ShardReader
 from training.train import (
     CHECKPOINT_DIR,
     CHECKPOINT_TAG,
     ERROR_PREFIX,
+    PHASES,
     PROGRESS_PREFIX,
     SUMMARY_FILE,
+    TENSORBOARD_DIR,
     TRAIN_LOG_FILE,
     TRAIN_SPLIT,
 )
@@ -55,6 +72,72 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def sparse_file(rank: int, world_size: int) -> str:
+    """File name of one rank's embedding shard in a checkpoint."""
+    return f"sparse-rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc), or its peak elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * resource.getpagesize()
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class SparseInputs:
+    """A batch's ids mapped onto the unique rows of one sharded lookup.
+
+    Args:
+        batch: The reader's batch.
+        offsets: (F,) start row of each feature in the fused table.
+        store: The rank's embedding shard.
+        with_features: Also compute each row's feature (for admission defaults).
+    """
+
+    def __init__(
+        self, batch: Batch, offsets: torch.Tensor, store: ShardedEmbedding, with_features: bool
+    ) -> None:
+        num_single = batch.sparse.shape[1]
+        single = batch.sparse + offsets[:num_single]  # (B, Fs) global rows
+        multi = [
+            torch.where(ids >= 0, ids + offsets[num_single + i], ids)
+            for i, ids in enumerate(batch.multi_hot)
+        ]
+        valid = [ids[ids >= 0] for ids in multi]
+        flat = torch.cat([single.flatten(), *valid])
+        self.rows, inverse, self.context = store.lookup(flat)
+        self.sparse_index = inverse[: single.numel()].view_as(single)  # (B, Fs)
+        self.multi_index: list[torch.Tensor] = []
+        start = single.numel()
+        for ids, kept in zip(multi, valid, strict=True):
+            index = torch.full_like(ids, -1)  # (B, L)
+            index[ids >= 0] = inverse[start : start + kept.numel()]
+            start += kept.numel()
+            self.multi_index.append(index)
+        self.row_admitted = self.context.admitted if with_features else None
+        self.row_feature = (
+            torch.searchsorted(offsets[1:], self.context.unique_ids, right=True)
+            if with_features
+            else None
+        )
+
+
+def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over tasks of the mean binary cross-entropy, in fp32.
+
+    Args:
+        logits: (B, T) in any float dtype.
+        labels: (B, T) float32 0/1.
+    """
+    return (
+        F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")
+        .mean(dim=0)
+        .sum()
+    )
+
+
 def run(spec: dict[str, Any]) -> None:
     """Train one rank according to a launch spec.
 
@@ -65,112 +148,263 @@ def run(spec: dict[str, Any]) -> None:
         ConfigError: The launcher started a different number of ranks than configured.
     """
     config = TrainConfig.model_validate(spec["train_config"])
+    model_config = spec["model_config"]
     shards_dir = Path(spec["shards_dir"])
     out_dir = Path(spec["out_dir"])
     total_steps = int(spec["total_steps"])
     seed_everything(config.seed)
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=spec.get("backend", "gloo"))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size != config.world_size:
         raise ConfigError(
             f"train.world_size={config.world_size} but the launcher started {world_size} ranks"
         )
 
-    model = build_model(spec["model_config"])
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=spec["ds_config"]
-    )
-    # bf16 engines hold bf16 weights: the dense input must match them. The loss is fp32.
-    input_dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32
-
     meta = load_dataset_meta(shards_dir)
-    micro_per_epoch = steps_per_epoch(meta, TRAIN_SPLIT, world_size, config.batch_size)
-    micro_total = total_steps * config.grad_accum_steps
-    samples_per_micro = config.batch_size * world_size
-
-    log_file = (out_dir / TRAIN_LOG_FILE).open("a") if rank == 0 else None
-    window_loss = torch.zeros((), dtype=torch.float32, device=engine.device)
-    window_micro = 0
-    final_loss = float("nan")
-    micro_done = 0
-    step = 0
-    engine.train()
-    started = window_started = time.monotonic()
-    while micro_done < micro_total:
-        batches = iter_batches(
-            shards_dir,
-            meta,
-            TRAIN_SPLIT,
+    table_sizes = list(model_config["table_sizes"])
+    store: ShardedEmbedding | None = None
+    if config.embeddings == "sharded":
+        module = build_arch(model_config)
+        # The table lives outside DeepSpeed; on GPUs its all-to-alls use a gloo group,
+        # since the rows stay in host memory (the parameter-server layout).
+        group = None
+        if spec.get("backend", "gloo") != "gloo" and world_size > 1:
+            group = torch.distributed.new_group(backend="gloo")
+        store = ShardedEmbedding(
+            table_sizes,
+            config.embedding_dim,
+            config.sparse_optimizer,
+            config.sparse_lr,
+            config.admission_min_count,
+            config.seed,
             rank,
             world_size,
-            config.batch_size,
-            num_steps=min(micro_per_epoch, micro_total - micro_done),
+            group,
         )
-        for sparse, dense, label in batches:
-            sparse = sparse.to(engine.device)
-            dense = dense.to(engine.device, dtype=input_dtype)
-            label = label.to(engine.device)
-            logits = engine(sparse, dense)  # (B,)
-            loss = F.binary_cross_entropy_with_logits(logits.float(), label)
+    else:
+        module = build_model(model_config)
+        module.embedding.weight.data = init_rows(table_sizes, config.embedding_dim, config.seed)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, model_parameters=module.parameters(), config=spec["ds_config"]
+    )
+    # Half-precision engines hold half weights: the dense input must match them.
+    input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        config.precision, torch.float32
+    )
+    offsets = table_offsets(table_sizes)
+    with_features = config.admission_min_count >= 2
+
+    reader = ShardReader(
+        shards_dir,
+        meta,
+        TRAIN_SPLIT,
+        rank,
+        world_size,
+        config.batch_size,
+        config.num_data_streams(),
+        tasks=model_config["tasks"],
+        prefetch=config.prefetch_batches,
+    )
+    micro_total = total_steps * config.grad_accum_steps
+    samples_per_micro = config.batch_size * world_size
+    writer = _tensorboard(out_dir, config) if rank == 0 else None
+    log_file = (out_dir / TRAIN_LOG_FILE).open("a") if rank == 0 else None
+
+    window = torch.zeros(2 + len(PHASES), dtype=torch.float64)  # loss, micro steps, phases
+    totals = dict.fromkeys(PHASES, 0.0)
+    final_loss = float("nan")
+    rows_updated = 0
+    micro_done = step = 0
+    engine.train()
+    started = window_started = time.monotonic()
+    batches = iter(reader)
+    try:
+        while micro_done < micro_total:
+            t0 = time.perf_counter()
+            batch = next(batches)
+            t1 = time.perf_counter()
+            dense = batch.dense.to(engine.device, dtype=input_dtype)
+            labels = batch.labels.to(engine.device)
+            if store is not None:
+                inputs = SparseInputs(batch, offsets, store, with_features)
+                device = engine.device
+                t2 = time.perf_counter()
+                logits = engine(
+                    inputs.rows.to(device),
+                    inputs.sparse_index.to(device),
+                    dense,
+                    [index.to(device) for index in inputs.multi_index],
+                    None if inputs.row_admitted is None else inputs.row_admitted.to(device),
+                    None if inputs.row_feature is None else inputs.row_feature.to(device),
+                )  # (B, T)
+            else:
+                t2 = time.perf_counter()
+                multi_hot = [ids.to(engine.device) for ids in batch.multi_hot]
+                logits = engine(batch.sparse.to(engine.device), dense, *multi_hot)
+            loss = task_loss(logits, labels)
             engine.backward(loss)
+            t3 = time.perf_counter()
+            boundary = engine.is_gradient_accumulation_boundary()
+            scale = _loss_scale(engine, config)  # before step(): the step may change it
+            if store is not None:
+                store.accumulate_gradients(inputs.rows.grad, inputs.context)
             engine.step()
-            window_loss += loss.detach()
-            window_micro += 1
+            if store is not None and boundary:
+                if engine.was_step_applied():
+                    rows_updated += store.step(grad_scale=scale)
+                else:  # fp16 overflow: DeepSpeed skipped the dense step; skip ours too
+                    store.discard_gradients()
+            t4 = time.perf_counter()
+            window += torch.tensor(
+                [float(loss.detach()), 1.0, t1 - t0, t2 - t1, t3 - t2, t4 - t3], dtype=torch.float64
+            )
             micro_done += 1
             if micro_done % config.grad_accum_steps:
                 continue
             step += 1
             if step % config.log_every and step != total_steps:
                 continue
-            # Every rank reaches this all-reduce at the same step: same step counts.
-            count = torch.tensor(float(window_micro), device=engine.device)
-            totals = torch.stack([window_loss, count])
-            dist.all_reduce(totals)
-            final_loss = float(totals[0] / totals[1])
+            # Every rank reaches these collectives at the same step: same step counts.
+            summed = window.clone()
+            dist.all_reduce(summed)
+            memory = torch.zeros(world_size, dtype=torch.float64)
+            memory[rank] = rss_bytes() / 2**20
+            dist.all_reduce(memory)
             now = time.monotonic()
+            micro = float(summed[1]) / world_size
+            final_loss = float(summed[0] / summed[1])
+            phase_ms = {
+                name: 1000.0 * float(summed[2 + i]) / float(summed[1]) * config.grad_accum_steps
+                for i, name in enumerate(PHASES)
+            }
+            for name in PHASES:
+                totals[name] += phase_ms[name] * micro / config.grad_accum_steps
             record = {
                 "step": step,
                 "total_steps": total_steps,
                 "loss": final_loss,
-                "samples_per_s": window_micro * samples_per_micro / max(now - window_started, 1e-9),
-                "epoch": micro_done / micro_per_epoch,
+                "samples_per_s": micro * samples_per_micro / max(now - window_started, 1e-9),
+                "epoch": micro_done / reader.steps_per_epoch,
+                "step_ms": phase_ms,
+                "rss_mb": [round(float(m), 1) for m in memory],
             }
             if log_file is not None:
                 print(PROGRESS_PREFIX + json.dumps(record), flush=True)
                 log_file.write(json.dumps(record) + "\n")
                 log_file.flush()
-            window_loss.zero_()
-            window_micro = 0
+            if writer is not None:
+                _write_scalars(writer, record)
+            window.zero_()
             window_started = now
+    finally:
+        reader.close()
     seconds = time.monotonic() - started
 
     checkpoint_dir = out_dir / CHECKPOINT_DIR
     engine.save_checkpoint(
         str(checkpoint_dir),
         tag=CHECKPOINT_TAG,
-        client_state={"train_config": spec["train_config"], "model_config": spec["model_config"]},
+        client_state={
+            "train_config": spec["train_config"],
+            "model_config": model_config,
+            "reader_position": reader.position(),
+        },
     )
+    if store is not None:
+        save_file(
+            {name: t.contiguous() for name, t in store.state_dict().items()},
+            str(checkpoint_dir / CHECKPOINT_TAG / sparse_file(rank, world_size)),
+        )
     dist.barrier()  # every rank's checkpoint part is on disk
     if rank == 0:
         state = _fp32_state_dict(engine, checkpoint_dir, config.zero_stage)
+        if store is not None:
+            state = _consolidate(
+                state,
+                checkpoint_dir / CHECKPOINT_TAG,
+                table_sizes,
+                world_size,
+                config.admission_min_count,
+            )
         save_file(
             {name: tensor.float().contiguous() for name, tensor in state.items()},
             str(out_dir / WEIGHTS_FILE),
         )
+        samples = micro_done * samples_per_micro
         summary = {
             "final_loss": final_loss,
             "steps": step,
             "micro_steps": micro_done,
-            "samples": micro_done * samples_per_micro,
-            "samples_per_s": micro_done * samples_per_micro / max(seconds, 1e-9),
+            "samples": samples,
+            "samples_per_s": samples / max(seconds, 1e-9),
             "seconds": seconds,
             "world_size": world_size,
+            "embeddings": config.embeddings,
+            "step_ms": {name: totals[name] / max(step, 1) for name in PHASES},
+            "sparse_rows_updated_rank0": rows_updated,
+            "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "reader_position": reader.position(),
         }
         (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     if log_file is not None:
         log_file.close()
+    if writer is not None:
+        writer.close()
     dist.barrier()  # rank 0's files are written before any rank reports success
+
+
+def _loss_scale(engine: deepspeed.DeepSpeedEngine, config: TrainConfig) -> float:
+    """The factor engine.backward multiplied the loss by (fp16 loss scaling), else 1."""
+    if config.precision != "fp16":
+        return 1.0
+    return float(engine.optimizer.loss_scale)
+
+
+def _tensorboard(out_dir: Path, config: TrainConfig) -> Any:
+    if not config.tensorboard:
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # imported only when used
+
+    return SummaryWriter(log_dir=str(out_dir / TENSORBOARD_DIR))
+
+
+def _write_scalars(writer: Any, record: dict[str, Any]) -> None:
+    step = record["step"]
+    writer.add_scalar("train/loss", record["loss"], step)
+    writer.add_scalar("train/samples_per_s", record["samples_per_s"], step)
+    for name, value in record["step_ms"].items():
+        writer.add_scalar(f"step_ms/{name}", value, step)
+    for rank, value in enumerate(record["rss_mb"]):
+        writer.add_scalar(f"memory_rss_mb/rank{rank}", value, step)
+    writer.flush()
+
+
+def _consolidate(
+    arch_state: dict[str, torch.Tensor],
+    tag_dir: Path,
+    table_sizes: list[int],
+    world_size: int,
+    admission_min_count: int,
+) -> dict[str, torch.Tensor]:
+    """The `CTRModel` state: the shards' rows interleaved into one table, plus the arch.
+
+    Rows not admitted by frequency admission are replaced by their feature's default
+    row, which is what training fed the model for them.
+    """
+    shards = [load_file(str(tag_dir / sparse_file(r, world_size))) for r in range(world_size)]
+    num_rows = sum(table_sizes)
+    table = gather_full_table([shard["weight"] for shard in shards], num_rows)  # (N, D)
+    if admission_min_count >= 2:
+        counts = gather_full_table([shard["counts"][:, None] for shard in shards], num_rows)
+        rejected = counts[:, 0] < admission_min_count  # (N,)
+        offsets = table_offsets(table_sizes)
+        feature = torch.searchsorted(offsets[1:], torch.arange(num_rows), right=True)
+        defaults = arch_state["default_rows"].float()
+        table[rejected] = defaults[feature[rejected]]
+    state = {"embedding.weight": table}
+    state.update({f"arch.{name}": tensor for name, tensor in arch_state.items()})
+    return state
 
 
 def _fp32_state_dict(

@@ -109,20 +109,23 @@ def test_exported_onnx_matches_trained_model_without_training_code(first_run):
     # Training-time scores of 1,000 test rows, from the trained weights.
     import torch
 
-    from training.data import iter_batches, load_dataset_meta
+    from training.data import iter_tables, load_dataset_meta, model_columns, to_batch
     from training.model import load_model
 
     net, _ = load_model(train_dir)
     meta = load_dataset_meta(shard_dir)
     sparse, dense = [], []
     # The tiny test split has a few hundred rows; up to 1,000 of them, in batches of 50.
-    for batch in iter_batches(shard_dir, meta, "test", rank=0, world_size=1, batch_size=50):
+    columns = model_columns(meta)
+    for table in iter_tables(shard_dir, meta, "test", 0, 1, 50, columns):
+        batch = to_batch(table, meta)
         sparse.append(batch.sparse.numpy())
         dense.append(batch.dense.numpy())
     sparse = np.concatenate(sparse)[:1000]
     dense = np.concatenate(dense)[:1000]
     with torch.no_grad():
-        expected = torch.sigmoid(net(torch.from_numpy(sparse), torch.from_numpy(dense))).numpy()
+        logits = net(torch.from_numpy(sparse), torch.from_numpy(dense))[:, 0]
+        expected = torch.sigmoid(logits).numpy()
     np.savez(root / "sample.npz", sparse=sparse, dense=dense, expected=expected)
 
     # A fresh interpreter that imports onnxruntime and numpy only.

@@ -22,6 +22,9 @@ def write_shards(
     row_group_size: int = 64,
     oracle: bool = True,
     seed: int = 0,
+    multi_hot: dict[str, int] | None = None,
+    extra_labels: list[str] | None = None,
+    max_list_length: int = 4,
 ) -> Path:
     """Fabricate a shard directory: dataset.json plus Parquet files of random rows.
 
@@ -35,6 +38,12 @@ def write_shards(
         row_group_size: Parquet row group size (small, to exercise streaming).
         oracle: Write the `p_true` column and name it in dataset.json.
         seed: Random seed.
+        multi_hot: Multi-hot features to add, name -> num_embeddings: list<int64>
+            columns of 0..max_list_length ids; every 7th row's list is empty and every
+            11th is null. Listed under "multi_hot" in dataset.json.
+        extra_labels: More float32 0/1 label columns (e.g. ["purchase"]) beside `click`;
+            with them or with multi_hot, dataset.json lists "labels".
+        max_list_length: Longest multi-hot list.
 
     Returns:
         `root`.
@@ -60,6 +69,10 @@ def write_shards(
                 logit += dense_weights[i] * values
             p_true = 1 / (1 + np.exp(-logit))
             columns["click"] = (rng.random(rows_per_file) < p_true).astype(np.float32)
+            for label in extra_labels or []:
+                columns[label] = (rng.random(rows_per_file) < 0.3).astype(np.float32)
+            for name, n in (multi_hot or {}).items():
+                columns[name] = _random_lists(rng, rows_per_file, n, max_list_length)
             if oracle:
                 columns["p_true"] = p_true.astype(np.float64)
             columns["ts"] = np.arange(rows_per_file, dtype=np.int64) + index * rows_per_file
@@ -74,8 +87,26 @@ def write_shards(
         "oracle": "p_true" if oracle else None,
         "splits": splits,
     }
+    if multi_hot is not None or extra_labels is not None:
+        meta["labels"] = ["click", *(extra_labels or [])]
+        meta["multi_hot"] = [
+            {"name": name, "num_embeddings": n} for name, n in (multi_hot or {}).items()
+        ]
     (root / "dataset.json").write_text(json.dumps(meta, indent=2))
     return root
+
+
+def _random_lists(
+    rng: np.random.Generator, rows: int, num_embeddings: int, max_length: int
+) -> pa.ListArray:
+    """`rows` lists of random ids; row i is empty when i % 7 == 3 and null when i % 11 == 5."""
+    lengths = rng.integers(1, max_length + 1, size=rows)
+    lengths[np.arange(rows) % 7 == 3] = 0
+    lengths[np.arange(rows) % 11 == 5] = 0
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    values = pa.array(rng.integers(0, num_embeddings, size=int(offsets[-1]), dtype=np.int64))
+    mask = pa.array(np.arange(rows) % 11 == 5)
+    return pa.ListArray.from_arrays(pa.array(offsets), values, mask=mask)
 
 
 @pytest.fixture
@@ -94,13 +125,16 @@ def shards_dir(make_shards: Callable[..., Path]) -> Path:
     return make_shards()
 
 
-def write_random_train_dir(train_dir: Path, shards_dir: Path, interaction: str = "dot") -> Path:
+def write_random_train_dir(
+    train_dir: Path, shards_dir: Path, interaction: str = "dot", **train_overrides: object
+) -> Path:
     """A train stage output holding a randomly initialised model (no training run).
 
     Args:
         train_dir: Directory to create.
         shards_dir: The shard directory the model is built for.
         interaction: "dot" or "cross".
+        **train_overrides: Other TrainConfig fields (e.g. tasks, pooling).
 
     Returns:
         `train_dir`, with model_config.json, model.safetensors and train_config.json.
@@ -112,7 +146,13 @@ def write_random_train_dir(train_dir: Path, shards_dir: Path, interaction: str =
     from training.data import load_dataset_meta
     from training.model import build_model, model_config_from
 
-    config = TrainConfig(interaction=interaction, embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16])
+    config = TrainConfig(
+        interaction=interaction,
+        embedding_dim=8,
+        bottom_mlp=[16, 8],
+        top_mlp=[16],
+        **train_overrides,
+    )
     model_config = model_config_from(config, load_dataset_meta(shards_dir))
     torch.manual_seed(0)
     model = build_model(model_config)
@@ -127,8 +167,10 @@ def write_random_train_dir(train_dir: Path, shards_dir: Path, interaction: str =
 def make_train_dir(tmp_path: Path) -> Callable[..., Path]:
     """Factory: `make_train_dir(shards_dir, interaction="dot", name="train")` -> train dir."""
 
-    def make(shards_dir: Path, interaction: str = "dot", name: str = "train") -> Path:
-        return write_random_train_dir(tmp_path / name, shards_dir, interaction)
+    def make(
+        shards_dir: Path, interaction: str = "dot", name: str = "train", **overrides: object
+    ) -> Path:
+        return write_random_train_dir(tmp_path / name, shards_dir, interaction, **overrides)
 
     return make
 

@@ -42,7 +42,8 @@ def test_cross_interaction_allows_any_bottom_mlp() -> None:
 
 
 @pytest.mark.parametrize(
-    "override", [{"zero_stage": 4}, {"precision": "fp16"}, {"epochs": 0}, {"top_mlp": [0]}]
+    "override",
+    [{"zero_stage": 4}, {"precision": "fp8"}, {"epochs": 0}, {"top_mlp": [0]}, {"sparse_lr": 0}],
 )
 def test_out_of_range_values_are_rejected(override: dict) -> None:
     with pytest.raises(ValidationError):
@@ -59,3 +60,23 @@ def test_global_batch_size_is_derived() -> None:
 def test_config_module_imports_without_torch() -> None:
     code = "import sys, training.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ({"data_streams": 3}, ["train.data_streams=3", "train.world_size=2"]),
+        ({"data_streams": 4, "batch_size": 3}, ["train.data_streams=4", "batch_size"]),
+        ({"offload_optimizer": True}, ["train.offload_optimizer", "zero_stage"]),
+        ({"loss_scale": 128.0}, ["train.loss_scale", "precision: fp16"]),
+    ],
+)
+def test_inconsistent_settings_name_the_fields_to_change(override: dict, names: list) -> None:
+    with pytest.raises(ValidationError) as error:
+        TrainConfig(**override)
+    assert all(name in str(error.value) for name in names)
+
+
+def test_data_streams_default_to_the_world_size() -> None:
+    assert TrainConfig(world_size=4, batch_size=8).num_data_streams() == 4
+    assert TrainConfig(world_size=1, data_streams=2, batch_size=8).num_data_streams() == 2

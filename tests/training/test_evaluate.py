@@ -22,7 +22,7 @@ def reference_scores(train_dir: Path, shards_dir: Path, split: str) -> tuple[np.
     dense = torch.from_numpy(np.stack([table.column(n).to_numpy() for n in meta.dense], 1))
     model, _ = load_model(train_dir)
     with torch.no_grad():
-        probabilities = torch.sigmoid(model(sparse, dense).double()).numpy()
+        probabilities = torch.sigmoid(model(sparse, dense)[:, 0].double()).numpy()
     return table.column("click").to_numpy(), probabilities, table.column("p_true").to_numpy()
 
 
@@ -51,3 +51,26 @@ def test_no_oracle_means_no_bayes_auc(
     result = evaluate_model(EvaluateConfig(split="valid"), train_dir, shards_dir, tmp_path / "e")
     assert result.bayes_auc is None and result.num_rows == 256
     assert "bayes_auc" not in json.loads(result.metrics_path.read_text())
+
+
+def test_multi_task_metrics_per_label_match_sklearn(
+    make_shards: Callable[..., Path], make_train_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    from training.data import iter_tables, model_columns, to_batch
+
+    shards = make_shards("mt", multi_hot={"tags": 12}, extra_labels=["purchase"])
+    train_dir = make_train_dir(shards, tasks=["click", "purchase"], pooling="sum")
+    result = evaluate_model(EvaluateConfig(batch_size=64), train_dir, shards, tmp_path / "mt")
+    written = json.loads(result.metrics_path.read_text())
+    meta = load_dataset_meta(shards)
+    model, _ = load_model(train_dir)
+    tasks = ["click", "purchase"]
+    tables = iter_tables(shards, meta, "test", 0, 1, 10_000, model_columns(meta, tasks), False)
+    batch = to_batch(next(iter(tables)), meta, tasks)
+    with torch.no_grad():
+        p = torch.sigmoid(model(batch.sparse, batch.dense, *batch.multi_hot).double()).numpy()
+    for t, task in enumerate(tasks):
+        y = batch.labels[:, t].numpy()
+        assert written[f"auc/{task}"] == pytest.approx(roc_auc_score(y, p[:, t]), abs=1e-9)
+        assert written[f"logloss/{task}"] == pytest.approx(log_loss(y, p[:, t]), abs=1e-6)
+    assert written["auc"] == written["auc/click"]

@@ -89,7 +89,7 @@ def test_package_scores_like_the_trained_model(
     with torch.no_grad():
         expected = torch.sigmoid(
             model(torch.from_numpy(inputs["sparse"]), torch.from_numpy(inputs["dense"]))
-        )
+        )[:, 0]
     np.testing.assert_allclose(np.load(out_dir / "parity" / "scores.npy"), expected.numpy())
 
     # TorchScript loads without this repository's code and handles another batch size.
@@ -146,3 +146,33 @@ def test_missing_transform_is_reported(
     missing = tmp_path / "nope.json"
     with pytest.raises(InputNotFoundError, match="nope.json"):
         export_model(ExportConfig(), random_train_dir, missing, shards_dir, None, tmp_path / "p")
+
+
+def test_multi_hot_multi_task_package_keeps_parity(
+    make_shards: Callable[..., Path],
+    make_train_dir: Callable[..., Path],
+    transform_path: Path,
+    tmp_path: Path,
+) -> None:
+    shards = make_shards("mh", multi_hot={"tags": 12}, extra_labels=["purchase"])
+    train_dir = make_train_dir(shards, interaction="cross", tasks=["click", "purchase"])
+    out_dir = tmp_path / "package-mh"
+    result = export_model(
+        ExportConfig(parity_rows=200), train_dir, transform_path, shards, None, out_dir
+    )
+    assert result.parity_max_abs_diff_onnx <= 1e-5
+    inputs = dict(np.load(out_dir / "parity" / "inputs.npz"))
+    assert sorted(inputs) == ["dense", "multi_hot_tags", "sparse"]
+    assert inputs["multi_hot_tags"].min() == -1  # padded lists
+    scores = np.load(out_dir / "parity" / "scores.npy")
+    assert scores.shape == (200, 2)
+    session = onnxruntime.InferenceSession(str(out_dir / "model.onnx"))
+    # Another batch size and another list length than the trace example.
+    few = {name: value[:7] for name, value in inputs.items()}
+    few["multi_hot_tags"] = np.concatenate(
+        [few["multi_hot_tags"], np.full((7, 3), -1, dtype=np.int64)], axis=1
+    )
+    np.testing.assert_allclose(session.run(["score"], few)[0], scores[:7], atol=1e-6)
+    signature = json.loads((out_dir / "signature.json").read_text())
+    assert signature["tasks"] == ["click", "purchase"]
+    assert signature["outputs"][0]["shape"] == ["batch", 2]

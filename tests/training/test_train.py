@@ -4,6 +4,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from data_prep.errors import ConfigError, InputNotFoundError, TrainingCrashed
 from training.config import EvaluateConfig, TrainConfig
 from training.data import load_dataset_meta
+from training.embedding import init_rows
 from training.evaluate import evaluate_model
 from training.model import build_model
 from training.train import build_deepspeed_config, plan_total_steps, train_model
@@ -159,19 +161,39 @@ def deepspeed_env() -> dict[str, str]:
     return {**os.environ, "DS_ACCELERATOR": "cpu"}
 
 
+# Each case is one real 2-rank DeepSpeed launch (about 15 s): together they cover the
+# ZeRO stages, the precisions, both embedding engines and both sparse optimizers.
+ENGINE_CASES = {
+    "zero2-fp32-sharded-adagrad-multihot-multitask": {
+        "zero_stage": 2,
+        "tasks": ["click", "purchase"],
+        "pooling": "sum",
+    },
+    "zero0-bf16-sharded-lazyadam-admission": {
+        "zero_stage": 0,
+        "precision": "bf16",
+        "sparse_optimizer": "lazy_adam",
+        "admission_min_count": 3,
+    },
+    "zero3-bf16-dense": {"zero_stage": 3, "precision": "bf16", "embeddings": "dense"},
+    "zero1-offload-sharded": {"zero_stage": 1, "offload_optimizer": True},
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("zero_stage", "precision"), [(2, "fp32"), (0, "bf16")])
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
 def test_train_with_deepspeed_on_two_cpu_ranks(
-    zero_stage: int, precision: str, shards_dir: Path, tmp_path: Path
+    case: str, make_shards: Callable[..., Path], tmp_path: Path
 ) -> None:
+    overrides = ENGINE_CASES[case]
+    shards_dir = make_shards(multi_hot={"tags": 12}, extra_labels=["purchase"])
     config = TrainConfig(
         **TINY,
         epochs=0.5,
         log_every=3,
-        zero_stage=zero_stage,
-        precision=precision,
         warmup_steps=2,
         world_size=2,
+        **overrides,
     )
     progress: list[dict] = []
     out = tmp_path / "train"
@@ -190,18 +212,93 @@ def test_train_with_deepspeed_on_two_cpu_ranks(
     assert [p["step"] for p in progress] == [3, 6, 8]
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert log == progress and log[-1]["loss"] == result.final_loss
+    assert set(log[-1]["step_ms"]) == {"data", "lookup", "dense", "optimizer"}
+    assert len(log[-1]["rss_mb"]) == 2 and min(log[-1]["rss_mb"]) > 100
     assert (out / "checkpoints" / "final").is_dir()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    plan = json.loads((out / "memory_plan.json").read_text())
+    assert plan["total_per_rank_bytes"] == sum(plan["per_rank_bytes"].values())
 
     weights = load_file(out / "model.safetensors")
     assert all(t.dtype == torch.float32 and t.is_contiguous() for t in weights.values())
-    model = build_model(json.loads((out / "model_config.json").read_text()))
+    model_config = json.loads((out / "model_config.json").read_text())
+    assert model_config["tasks"] == overrides.get("tasks", ["click"])
+    model = build_model(model_config)
     model.load_state_dict(weights)  # strict: every parameter, nothing else
-    if precision == "bf16":
+    initial = init_rows(model_config["table_sizes"], 8, seed=config.seed)
+    assert not torch.equal(weights["embedding.weight"], initial)  # the table trained
+    if config.embeddings == "sharded":
+        shards = sorted((out / "checkpoints" / "final").glob("sparse-rank-*.safetensors"))
+        assert [s.name for s in shards] == [
+            "sparse-rank-00000-of-00002.safetensors",
+            "sparse-rank-00001-of-00002.safetensors",
+        ]
+    if config.precision == "bf16":
         # The fp32 master weights were saved, not the bf16 working copy.
-        assert any((t != t.bfloat16().float()).any() for t in weights.values())
+        arch = [t for name, t in weights.items() if name.startswith("arch.bottom")]
+        assert any((t != t.bfloat16().float()).any() for t in arch)
+    if config.admission_min_count:
+        # Ids seen fewer than 3 times read their feature's default row.
+        table = weights["embedding.weight"]
+        defaults = weights["arch.default_rows"]
+        assert any(torch.equal(row, defaults[0]) for row in table[:101])
 
     metrics = evaluate_model(EvaluateConfig(), out, shards_dir, tmp_path / "eval")
     assert metrics.num_rows == 512 and 0 <= metrics.auc <= 1
+
+
+@pytest.mark.slow
+def test_one_rank_and_two_ranks_train_the_same_model(
+    make_shards: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Same data streams and global batch: W=1 (batch 64) and W=2 (batch 32) agree."""
+    shards_dir = make_shards(rows_per_file=1024)
+    common = {**TINY, "max_steps": 40, "data_streams": 2, "zero_stage": 2, "lr": 0.01}
+    results = {}
+    for world_size, batch_size in ((1, 64), (2, 32)):
+        config = TrainConfig(**{**common, "batch_size": batch_size, "world_size": world_size})
+        out = tmp_path / f"w{world_size}"
+        train_model(config, shards_dir, out, "cpu", free_port(), deepspeed_env())
+        metrics = evaluate_model(EvaluateConfig(), out, shards_dir, tmp_path / f"e{world_size}")
+        results[world_size] = (load_file(out / "model.safetensors"), metrics.auc)
+    (one, auc_one), (two, auc_two) = results[1], results[2]
+    assert auc_one > 0.6  # it learned something
+    assert abs(auc_one - auc_two) < 0.002
+    initial = init_rows([101, 11, 7], 8, seed=0)
+    moved = (one["embedding.weight"] - initial).abs().max()
+    assert moved > 1e-2
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-3, atol=1e-4)
+
+
+def test_fp16_on_cpu_is_refused_before_launch(shards_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="precision: bf16"):
+        train_model(
+            TrainConfig(**TINY, precision="fp16"), shards_dir, tmp_path / "o", "cpu", 1, env={}
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_with_loss_scaling_on_gpu(make_shards: Callable[..., Path], tmp_path: Path) -> None:
+    shards_dir = make_shards()
+    config = TrainConfig(
+        **TINY, max_steps=8, precision="fp16", zero_stage=2, world_size=1, log_every=4
+    )
+    result = train_model(config, shards_dir, tmp_path / "t", "cuda", free_port(), dict(os.environ))
+    assert math.isfinite(result.final_loss)
+    metrics = evaluate_model(EvaluateConfig(), tmp_path / "t", shards_dir, tmp_path / "e")
+    assert 0 <= metrics.auc <= 1
+
+
+def test_a_config_that_cannot_fit_is_refused_before_launch(
+    shards_dir: Path, tmp_path: Path
+) -> None:
+    config = TrainConfig(**TINY, memory_per_rank_gb=0.25, world_size=2)
+    with pytest.raises(ConfigError, match="train.memory_per_rank_gb") as error:
+        train_model(config, shards_dir, tmp_path / "out", "cpu", free_port(), deepspeed_env())
+    assert "world_size" in str(error.value) or "memory_per_rank_gb" in str(error.value)
+    assert not (tmp_path / "out" / "launch.json").exists()
 
 
 @pytest.mark.slow

@@ -1,0 +1,366 @@
+"""Sharded embedding store: the parameter-server role inside PyTorch.
+
+All sparse features share one fused table of N = sum(table_sizes) rows; feature f's
+id i is global row `offsets[f] + i`. Rows are sharded row-wise over the W ranks:
+global row g lives on rank `g % W` at local index `g // W`. Ids are vocabulary ranks
+or hash buckets, so the modulo spreads hot rows evenly over the ranks.
+
+One training step, seen from one rank (U = unique ids of this rank's batch):
+
+1. `lookup`: the batch's global ids are deduplicated, sent to their owners with one
+   all-to-all (`all_to_all_single` with uneven splits, gloo on CPU, NCCL on GPU), the
+   owners gather the rows (and count the ids for frequency admission) and send them
+   back with a second all-to-all. The caller gets a (U, D) leaf tensor that requires
+   grad, so autograd of the dense model fills its `.grad`.
+2. `accumulate_gradients`: the (U, D) gradient travels back to the owners, which sum
+   the contributions of all ranks per row.
+3. `step`: each owner applies the row-wise sparse optimizer to the rows it received
+   gradients for. Nothing else is touched, so a step costs O(ids in the batch), not
+   O(N): the table size only costs memory.
+
+Gradient scale: every rank's loss is the mean over its own micro batch, and DeepSpeed
+averages the dense gradients over ranks; the owners divide the summed row gradients
+by W for the same global-mean semantics, so W ranks with batch b follow the same
+trajectory as 1 rank with batch W*b.
+
+Initial values depend only on (seed, global row), never on W (each rank draws the
+same fixed-size chunks of the table and keeps its rows), so a table can be resharded
+and runs with different world sizes start from the same weights.
+
+Frequency admission (`admission_min_count` K >= 2): owners count every occurrence of
+their rows; an id seen fewer than K times (this batch included) is reported as not
+admitted, the caller substitutes its feature's shared default row (a dense
+parameter), and its row gets no update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+# Rows drawn per RNG chunk at init; fixed so init does not depend on the world size.
+INIT_CHUNK_ROWS = 1 << 16
+ADAGRAD_EPS = 1e-8
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+
+SparseOptimizer = Literal["rowwise_adagrad", "lazy_adam"]
+
+
+def table_offsets(table_sizes: list[int]) -> torch.Tensor:
+    """(F + 1,) int64 start row of each feature in the fused table, then N."""
+    sizes = torch.tensor([0, *table_sizes], dtype=torch.int64)
+    return torch.cumsum(sizes, dim=0)
+
+
+def init_rows(
+    table_sizes: list[int],
+    embedding_dim: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> torch.Tensor:
+    """Initial values of the rows one rank owns, the same for any world size.
+
+    Row g of feature f is drawn from U(-1/sqrt(n_f), 1/sqrt(n_f)) (the DLRM reference
+    init; N(0, 1) would swamp the MLPs), by a generator seeded with (seed, chunk of g).
+
+    Args:
+        table_sizes: Rows per feature.
+        embedding_dim: D.
+        seed: Seed of the table.
+        rank: The owning rank.
+        world_size: W; the rank owns rows rank, rank + W, ...
+
+    Returns:
+        (ceil((N - rank) / W), D) float32: the rank's rows in local order.
+    """
+    offsets = table_offsets(table_sizes)
+    num_rows = int(offsets[-1])
+    bounds = torch.cat(
+        [torch.full((n,), 1.0 / n**0.5, dtype=torch.float32) for n in table_sizes]
+    )  # (N,) per-row bound
+    local = torch.empty((_local_rows(num_rows, rank, world_size), embedding_dim))
+    generator = torch.Generator()
+    for start in range(0, num_rows, INIT_CHUNK_ROWS):
+        end = min(start + INIT_CHUNK_ROWS, num_rows)
+        generator.manual_seed(seed * 1_000_003 + start // INIT_CHUNK_ROWS)
+        chunk = torch.rand((end - start, embedding_dim), generator=generator)
+        chunk = (chunk * 2 - 1) * bounds[start:end, None]
+        first = start + (rank - start) % world_size  # first row >= start owned by rank
+        if first < end:
+            local[(first - rank) // world_size : (end - 1 - rank) // world_size + 1] = chunk[
+                first - start :: world_size
+            ]
+    return local
+
+
+def _local_rows(num_rows: int, rank: int, world_size: int) -> int:
+    return max(0, (num_rows - rank + world_size - 1) // world_size)
+
+
+@dataclass
+class LookupContext:
+    """What `lookup` remembers for sending the gradients back.
+
+    Attributes:
+        unique_ids: (U,) sorted global ids of this rank's batch.
+        send_order: (U,) permutation of unique_ids grouping them by owner rank.
+        send_splits: Ids sent to each rank.
+        recv_splits: Ids received from each rank (as owner).
+        recv_local: (R,) local row indices of the received ids.
+        admitted: (U,) bool, whether each unique id has its own row.
+    """
+
+    unique_ids: torch.Tensor
+    send_order: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    recv_local: torch.Tensor
+    admitted: torch.Tensor
+
+
+class ShardedEmbedding:
+    """This rank's shard of the fused table and its row-wise optimizer state.
+
+    Args:
+        table_sizes: Rows per feature (single-valued, then multi-hot features).
+        embedding_dim: D.
+        optimizer: "rowwise_adagrad" or "lazy_adam".
+        lr: Learning rate of the rows.
+        admission_min_count: K; 0 or 1 admits every id.
+        seed: Init seed (see `init_rows`).
+        rank: This rank; with world_size 1 no collective is used.
+        world_size: W.
+        group: Process group of the all-to-alls (default: the world).
+    """
+
+    def __init__(
+        self,
+        table_sizes: list[int],
+        embedding_dim: int,
+        optimizer: SparseOptimizer,
+        lr: float,
+        admission_min_count: int = 0,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if optimizer not in ("rowwise_adagrad", "lazy_adam"):
+            raise ValueError(f"optimizer must be rowwise_adagrad or lazy_adam, got {optimizer!r}")
+        self.table_sizes = list(table_sizes)
+        self.offsets = table_offsets(self.table_sizes)
+        self.num_rows = int(self.offsets[-1])
+        self.embedding_dim = embedding_dim
+        self.optimizer = optimizer
+        self.lr = lr
+        self.admission_min_count = admission_min_count
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.weight = init_rows(self.table_sizes, embedding_dim, seed, rank, world_size)
+        local = self.weight.shape[0]
+        if optimizer == "rowwise_adagrad":
+            self.state: dict[str, torch.Tensor] = {"sum_sq": torch.zeros(local)}
+        else:
+            self.state = {"exp_avg": torch.zeros_like(self.weight)}
+            self.state["exp_avg_sq"] = torch.zeros_like(self.weight)
+        self.steps = 0  # optimizer steps taken (lazy Adam's bias correction)
+        self.counts = torch.zeros(local, dtype=torch.int64) if self._admission else None
+        self._pending_rows: list[torch.Tensor] = []
+        self._pending_grads: list[torch.Tensor] = []
+
+    @property
+    def _admission(self) -> bool:
+        return self.admission_min_count >= 2
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This shard's tensors (rows, optimizer state, admission counts, step)."""
+        state = {"weight": self.weight, **self.state, "steps": torch.tensor(self.steps)}
+        if self.counts is not None:
+            state["counts"] = self.counts
+        return state
+
+    def admitted_rows(self) -> torch.Tensor:
+        """(local rows,) bool: which of this shard's rows are admitted."""
+        if self.counts is None:
+            return torch.ones(self.weight.shape[0], dtype=torch.bool)
+        return self.counts >= self.admission_min_count
+
+    # -- forward --------------------------------------------------------------------
+    def lookup(
+        self, ids: torch.Tensor, train: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, LookupContext]:
+        """Fetch the rows of a batch's global ids from their owners.
+
+        Args:
+            ids: (M,) int64 global ids (any order, duplicates allowed).
+            train: Count the ids for admission (training); False only reads.
+
+        Returns:
+            rows: (U, D) float32 leaf tensor with requires_grad, the rows of the
+                unique ids (not-admitted ids get their stored row; the caller swaps
+                in the default row).
+            inverse: (M,) index of each id in the unique ids.
+            context: For `accumulate_gradients`.
+        """
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
+            raise ValueError(
+                f"embedding ids must be in [0, {self.num_rows}), got "
+                f"[{int(ids.min())}, {int(ids.max())}]; the shards and the model disagree"
+            )
+        if self._admission and train:
+            unique_ids, inverse, id_counts = torch.unique(
+                ids, sorted=True, return_inverse=True, return_counts=True
+            )
+        else:
+            unique_ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            id_counts = None
+        owner = unique_ids % self.world_size
+        send_order = torch.argsort(owner, stable=True)
+        send_splits = torch.bincount(owner, minlength=self.world_size)
+        recv_splits = self._exchange_counts(send_splits)
+        send_splits_list, recv_splits_list = send_splits.tolist(), recv_splits.tolist()
+
+        payload = unique_ids[send_order]
+        if id_counts is not None:
+            payload = torch.stack([payload, id_counts[send_order]], dim=1)  # (U, 2)
+        received = self._all_to_all(payload, recv_splits_list, send_splits_list)
+        recv_ids = received[:, 0] if id_counts is not None else received
+        recv_local = recv_ids // self.world_size
+
+        if self.counts is not None:
+            if id_counts is not None:
+                self.counts.index_add_(0, recv_local, received[:, 1])
+            admitted_local = self.counts[recv_local] >= self.admission_min_count
+            reply = torch.cat([self.weight[recv_local], admitted_local[:, None].float()], dim=1)
+        else:
+            reply = self.weight[recv_local]  # (R, D)
+        returned = self._all_to_all(reply, send_splits_list, recv_splits_list)  # (U, D[+1])
+
+        rows = torch.empty((unique_ids.numel(), returned.shape[1]), dtype=returned.dtype)
+        rows[send_order] = returned
+        if self.counts is not None:
+            admitted = rows[:, -1] > 0.5
+            rows = rows[:, :-1].contiguous()
+        else:
+            admitted = torch.ones(unique_ids.numel(), dtype=torch.bool)
+        rows.requires_grad_(True)
+        context = LookupContext(
+            unique_ids, send_order, send_splits_list, recv_splits_list, recv_local, admitted
+        )
+        return rows, inverse, context
+
+    # -- backward and update -----------------------------------------------------------
+    def accumulate_gradients(self, grad: torch.Tensor | None, context: LookupContext) -> None:
+        """Send a micro batch's row gradients to their owners and keep them for `step`.
+
+        Args:
+            grad: (U, D) gradient of the loss w.r.t. `lookup`'s rows (None: no
+                gradient reached them; zeros are sent so every rank joins the exchange).
+            context: The lookup's context.
+        """
+        if grad is None:
+            grad = torch.zeros((context.unique_ids.numel(), self.embedding_dim))
+        grad = grad.float()
+        received = self._all_to_all(
+            grad[context.send_order].contiguous(), context.recv_splits, context.send_splits
+        )
+        self._pending_rows.append(context.recv_local)
+        self._pending_grads.append(received)
+
+    def discard_gradients(self) -> None:
+        """Drop accumulated gradients (e.g. when fp16 overflow skips a step)."""
+        self._pending_rows.clear()
+        self._pending_grads.clear()
+
+    def step(self, grad_scale: float = 1.0) -> int:
+        """Apply the row-wise optimizer to every row with accumulated gradients.
+
+        Args:
+            grad_scale: Divides the summed gradients (the loss scale of fp16); the
+                world size is divided out here as well.
+
+        Returns:
+            Number of rows updated on this rank.
+        """
+        self.steps += 1
+        if not self._pending_rows:
+            return 0
+        local = torch.cat(self._pending_rows)
+        grads = torch.cat(self._pending_grads)
+        self.discard_gradients()
+        rows, position = torch.unique(local, sorted=True, return_inverse=True)
+        summed = torch.zeros((rows.numel(), self.embedding_dim))
+        summed.index_add_(0, position, grads)  # (Ru, D): all ranks' and micro steps' sum
+        summed /= self.world_size * grad_scale
+        if self.counts is not None:
+            keep = self.counts[rows] >= self.admission_min_count
+            rows, summed = rows[keep], summed[keep]
+        if self.optimizer == "rowwise_adagrad":
+            self._rowwise_adagrad(rows, summed)
+        else:
+            self._lazy_adam(rows, summed)
+        return int(rows.numel())
+
+    def _rowwise_adagrad(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        # One accumulator per row (FBGEMM's row-wise Adagrad): the mean squared gradient.
+        sum_sq = self.state["sum_sq"]
+        sum_sq[rows] += grad.pow(2).mean(dim=1)
+        denom = sum_sq[rows].sqrt().add_(ADAGRAD_EPS)  # (Ru,)
+        self.weight[rows] -= self.lr * grad / denom[:, None]
+
+    def _lazy_adam(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        # Adam on the rows in the batch only; bias correction by the global step (TF's
+        # LazyAdam, torch's SparseAdam).
+        beta1, beta2 = ADAM_BETAS
+        exp_avg = self.state["exp_avg"][rows].mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq = (
+            self.state["exp_avg_sq"][rows].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        )
+        self.state["exp_avg"][rows] = exp_avg
+        self.state["exp_avg_sq"][rows] = exp_avg_sq
+        correction1 = 1 - beta1**self.steps
+        correction2 = 1 - beta2**self.steps
+        denom = (exp_avg_sq / correction2).sqrt_().add_(ADAM_EPS)
+        self.weight[rows] -= (self.lr / correction1) * exp_avg / denom
+
+    # -- collectives ----------------------------------------------------------------------
+    def _exchange_counts(self, send_splits: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return send_splits.clone()
+        recv_splits = torch.empty_like(send_splits)
+        dist.all_to_all_single(recv_splits, send_splits, group=self.group)
+        return recv_splits
+
+    def _all_to_all(
+        self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]
+    ) -> torch.Tensor:
+        """Rows [input_splits] of `tensor` to each rank; rows from each rank, in rank order."""
+        if self.world_size == 1:
+            return tensor
+        output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+        dist.all_to_all_single(output, tensor, output_splits, input_splits, group=self.group)
+        return output
+
+
+def gather_full_table(shards: list[torch.Tensor], num_rows: int) -> torch.Tensor:
+    """Interleave W shards' local rows back into the (N, D) table (row g = shard g % W).
+
+    Args:
+        shards: Local rows of ranks 0..W-1 (each (ceil((N - r) / W), D)).
+        num_rows: N.
+
+    Returns:
+        (N, D) table.
+    """
+    world_size = len(shards)
+    table = torch.empty((num_rows, shards[0].shape[1]), dtype=shards[0].dtype)
+    for rank, shard in enumerate(shards):
+        expected = _local_rows(num_rows, rank, world_size)
+        if shard.shape[0] != expected:
+            raise ValueError(f"shard {rank} has {shard.shape[0]} rows, expected {expected}")
+        table[rank::world_size] = shard
+    return table
