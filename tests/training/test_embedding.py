@@ -174,3 +174,20 @@ def test_two_ranks_equal_one_process(tmp_path: Path, optimizer: str, admission: 
     _train(reference, _global_batches(steps=6, batch=8), 0, 1)
     assert not torch.equal(reference.weight, init_rows(SIZES, DIM, seed=1))  # it trained
     torch.testing.assert_close(two_ranks, reference.weight, rtol=1e-6, atol=1e-7)
+
+
+def test_accumulated_micro_batches_update_once_with_the_summed_gradient() -> None:
+    accumulated = ShardedEmbedding(SIZES, DIM, "lazy_adam", lr=0.05, seed=2)
+    single = ShardedEmbedding(SIZES, DIM, "lazy_adam", lr=0.05, seed=2)
+    first, second = torch.tensor([1, 4, 4, 20]), torch.tensor([4, 9, 20])
+    for ids in (first, second):  # two micro steps, one optimizer step
+        rows, inverse, context = accumulated.lookup(ids)
+        rows[inverse].pow(2).sum().backward()
+        accumulated.accumulate_gradients(rows.grad, context)
+    assert accumulated.step() == 4
+    rows, inverse, context = single.lookup(torch.cat([first, second]))
+    rows[inverse].pow(2).sum().backward()
+    single.accumulate_gradients(rows.grad, context)
+    single.step()
+    torch.testing.assert_close(accumulated.weight, single.weight)
+    assert accumulated.steps == single.steps == 1
