@@ -117,8 +117,8 @@ class TrainConfig(BaseModel):
     memory_per_rank_gb: float | None = Field(
         None,
         gt=0,
-        description="Memory budget of one rank for the memory planner. Default: this "
-        "machine's memory divided by the ranks (or the GPU's memory).",
+        description="Memory budget of one rank in GiB for the memory planner. Default: "
+        "85% of this machine's memory divided by the ranks (of the GPU's memory on GPUs).",
     )
     tensorboard: bool = Field(
         True, description="Write TensorBoard event files to <train output>/tensorboard."

@@ -212,7 +212,8 @@ def train_model(
             ({"step", "total_steps", "loss", "samples_per_s", "epoch"}).
         python: The interpreter that runs the launcher.
         memory_budget: (bytes per rank, where that figure comes from) for the memory
-            planner when `train.memory_per_rank_gb` is unset; None skips the check then.
+            planner when `train.memory_per_rank_gb` (GiB) is unset; on CPU it is taken
+            to be this machine's memory split over the ranks. None skips the check then.
 
     Returns:
         The run's result.
@@ -310,12 +311,20 @@ def _plan_memory(
     """Estimate per-rank memory and refuse a config that cannot fit (ConfigError)."""
     num_dense_params = sum(p.numel() for p in build_arch(model_config).parameters())
     plan = plan_memory(
-        config, meta.table_sizes, len(meta.dense), num_dense_params, config.world_size, accelerator
+        config,
+        meta.table_sizes,
+        len(meta.dense),
+        num_dense_params,
+        config.world_size,
+        accelerator,
+        feature_names=[*meta.sparse_names, *meta.multi_hot_names],
     )
     if config.memory_per_rank_gb is not None:
-        memory_budget = (int(config.memory_per_rank_gb * 2**30), "train.memory_per_rank_gb")
-    if memory_budget is not None:
-        check_memory(plan, config, *memory_budget)
+        budget = int(config.memory_per_rank_gb * 2**30)
+        check_memory(plan, config, budget, "train.memory_per_rank_gb")
+    elif memory_budget is not None:
+        # One machine's memory shared by the ranks: more ranks would not add memory.
+        check_memory(plan, config, *memory_budget, split_over_ranks=accelerator == "cpu")
     return plan
 
 

@@ -44,12 +44,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from data_prep.errors import ConfigError
 from training.config import TrainConfig
 from training.data import Batch, load_dataset_meta
-from training.embedding import ShardedEmbedding, gather_full_table, init_rows, table_offsets
+from training.embedding import ShardedEmbedding, init_rows, table_offsets
 from training.model import WEIGHTS_FILE, build_arch, build_model
 from training.reader import ShardReader
 from training.train import (
@@ -392,16 +393,24 @@ def _consolidate(
     Rows not admitted by frequency admission are replaced by their feature's default
     row, which is what training fed the model for them.
     """
-    shards = [load_file(str(tag_dir / sparse_file(r, world_size))) for r in range(world_size)]
+    # One shard in memory at a time: the peak is the table plus one rank's rows.
     num_rows = sum(table_sizes)
-    table = gather_full_table([shard["weight"] for shard in shards], num_rows)  # (N, D)
+    table: torch.Tensor | None = None
+    rejected = torch.zeros(num_rows, dtype=torch.bool)
+    for rank in range(world_size):
+        with safe_open(str(tag_dir / sparse_file(rank, world_size)), framework="pt") as shard:
+            rows = shard.get_tensor("weight")  # (ceil((N - rank) / W), D)
+            if table is None:
+                table = torch.empty((num_rows, rows.shape[1]), dtype=torch.float32)
+            table[rank::world_size] = rows
+            del rows
+            if admission_min_count >= 2:
+                rejected[rank::world_size] = shard.get_tensor("counts") < admission_min_count
+    assert table is not None  # world_size >= 1
     if admission_min_count >= 2:
-        counts = gather_full_table([shard["counts"][:, None] for shard in shards], num_rows)
-        rejected = counts[:, 0] < admission_min_count  # (N,)
         offsets = table_offsets(table_sizes)
-        feature = torch.searchsorted(offsets[1:], torch.arange(num_rows), right=True)
-        defaults = arch_state["default_rows"].float()
-        table[rejected] = defaults[feature[rejected]]
+        feature = torch.searchsorted(offsets[1:], torch.nonzero(rejected)[:, 0], right=True)
+        table[rejected] = arch_state["default_rows"].float()[feature]
     state = {"embedding.weight": table}
     state.update({f"arch.{name}": tensor for name, tensor in arch_state.items()})
     return state

@@ -320,3 +320,20 @@ def test_a_crashing_rank_raises_training_crashed(shards_dir: Path, tmp_path: Pat
         error.value
     )
     assert time.monotonic() - started < 90
+
+
+def test_the_machine_budget_suggests_fewer_ranks_and_names_features(
+    make_shards: Callable[..., Path], tmp_path: Path
+) -> None:
+    shards_dir = make_shards()
+    meta_path = shards_dir / "dataset.json"
+    meta = json.loads(meta_path.read_text())
+    meta["sparse"][0]["num_embeddings"] = 400_000_000  # user_id: a 25 GB table at dim 16
+    meta_path.write_text(json.dumps(meta))
+    config = TrainConfig(**{**TINY, "embedding_dim": 16, "bottom_mlp": [16, 16]})
+    budget = (8 * 2**30, "85% of this machine's 20.0 GiB / 2 ranks")
+    with pytest.raises(ConfigError) as error:
+        train_model(config, shards_dir, tmp_path / "o", "cpu", 1, env={}, memory_budget=budget)
+    message = str(error.value)
+    assert "85% of this machine's 20.0 GiB / 2 ranks" in message
+    assert "user_id" in message and "embedding_dim" in message
