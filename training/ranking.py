@@ -417,7 +417,9 @@ def evaluate_ranking(
     Sampled: candidates = [target] + num_negatives items the user has not seen
     (neither in `seen` nor the target), from sample_negatives keyed by `users`.
     Full: candidates = items 1..num_items-1 (a read-only broadcast view, the same
-    row for every user), the user's seen items other than the target masked out.
+    row for every user: score candidates[0] against all users at once, or copy with
+    np.ascontiguousarray before torch.from_numpy), the user's seen items other than
+    the target masked out.
     Peak memory is about block_users * num_items * (score bytes + 6) in full mode.
 
     Args:
