@@ -236,6 +236,20 @@ def test_dataset_json_is_what_training_reads(tmp_path):
     rows = [sum(end - start for _, start, end in slices) for slices in ranks]
     assert abs(rows[0] - rows[1]) <= 2
 
+    # The training reader and a two-task model with a multi-hot feature consume it.
+    from training.config import TrainConfig
+    from training.model import build_model, model_config_from
+    from training.reader import ShardReader
+
+    with ShardReader(tmp_path / "s", meta, "train", 0, 1, 32, 1, tasks=["click", "like"]) as reader:
+        batch = next(iter(reader))
+    assert batch.sparse.shape == (32, 2) and batch.dense.shape == (32, 1)
+    assert batch.labels.shape == (32, 2) and batch.multi_hot[0].shape == (32, 2)
+    assert int(batch.multi_hot[0].max()) < 10
+    config = TrainConfig(embedding_dim=8, bottom_mlp=[8], top_mlp=[8], tasks=["click", "like"])
+    model = build_model(model_config_from(config, meta))
+    assert model(batch.sparse, batch.dense, *batch.multi_hot).shape == (32, 2)
+
 
 def test_too_many_spill_buckets_is_a_config_error(tmp_path, schema, monkeypatch):
     write_events(tmp_path / "events", n=1000)
