@@ -1,0 +1,291 @@
+"""One rank of a SASRec pipeline-parallel run: `python -m training.pipeline_worker SPEC.json`.
+
+Run under the DeepSpeed launcher (`python -m deepspeed.launcher.runner --num_gpus W
+--master_port P --module training.pipeline_worker SPEC.json`). Reads the spec (see
+`PipelineSpec`) and, when `sequences` is set, a `data_prep.sequences` train.parquet.
+Writes, on rank 0:
+
+- `out`: JSON `{"losses": [...], "world_size", "num_stages", "parts", "seconds"}`, one
+  loss per optimizer step (the mean over its micro batches, which DeepSpeed's pipeline
+  engine broadcasts from the last stage to every rank);
+
+and, when `weights_dir` is set, on the first data-parallel replica of every stage:
+`stage-SS.safetensors`, that stage's `PipelineModule.state_dict()` (merge the files
+and pass them to `sequence_model.pipeline_state_to_sasrec` for one `SASRec`).
+
+Reproducibility: every layer is built from its own seed (`seed_layers`: layer i is
+seeded with `layer_base_seed(spec.seed) + i`), so the weights do not depend on how the layers are
+split into stages; the micro batches come from generators seeded by the spec's seed and
+the data-parallel replica, identical on the first and the last stage of a replica
+(replicas get different synthetic streams, or every replicas-th Parquet row). A
+1-stage and a 2-stage run of the same spec thus train the same model on the same data.
+
+The only environment this process reads is what the launcher sets for
+`deepspeed.init_distributed`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import deepspeed
+import deepspeed.comm as dist
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.utils import set_random_seed
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors.torch import save_file
+
+from data_prep.errors import ConfigError
+from training.sequence_model import (
+    LOSSES,
+    build_pipeline_layers,
+    check_pipeline_config,
+    next_item_batch,
+    pipeline_batch,
+    sample_negatives,
+)
+
+ERROR_PREFIX = "RECFORGE_ERROR "
+
+
+class PipelineSpec(BaseModel):
+    """What one pipeline run trains; unknown keys are refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_items: int = Field(ge=2, description="V, including the padding item 0.")
+    max_length: int = Field(ge=1, description="Input sequence length L.")
+    hidden_dim: int = Field(ge=1)
+    num_blocks: int = Field(ge=1)
+    num_heads: int = Field(ge=1)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    loss: Literal["bce", "sampled_softmax"] = "bce"
+    num_negatives: int = Field(default=1, ge=1, description="Negatives per position.")
+    num_stages: int = Field(ge=1, description="Pipeline stages; must divide the world size.")
+    partition_method: Literal["uniform", "parameters"] = "uniform"
+    micro_batch_size: int = Field(ge=1)
+    gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro batches/step.")
+    steps: int = Field(ge=1, description="Optimizer steps (engine.train_batch calls).")
+    lr: float = Field(default=1e-3, gt=0.0)
+    seed: int = 0
+    fp32: bool = Field(default=True, description="fp32 weights; False trains in bf16.")
+    zero_stage: int = Field(default=0, ge=0, le=3)
+    sequences: Path | None = Field(
+        default=None, description="A train.parquet of data_prep.sequences; None: synthetic."
+    )
+    out: Path = Field(description="Where rank 0 writes the per-step losses (JSON).")
+    weights_dir: Path | None = Field(default=None, description="Per-stage weights, if set.")
+
+
+def synthetic_sequences(
+    num_items: int, max_length: int, generator: np.random.Generator
+) -> Iterator[list[int]]:
+    """Endless learnable sequences: each item is 1-3 items after the previous one.
+
+    Args:
+        num_items: V; items are drawn from 1..V-1, wrapping around.
+        max_length: L; sequences hold 2..L+1 items (the rest is padding).
+        generator: The random source.
+
+    Yields:
+        Item lists, oldest first.
+    """
+    while True:
+        length = int(generator.integers(2, max_length + 2))
+        steps = generator.integers(1, 4, size=length - 1)
+        start = int(generator.integers(1, num_items))
+        offsets = np.concatenate([[0], np.cumsum(steps)])
+        yield [1 + (start - 1 + int(o)) % (num_items - 1) for o in offsets]
+
+
+def parquet_sequences(
+    path: Path, replica: int, replicas: int, generator: np.random.Generator
+) -> Iterator[list[int]]:
+    """Endless train histories of one data-parallel replica, reshuffled every epoch.
+
+    Args:
+        path: A `data_prep.sequences` train.parquet.
+        replica: This replica's index (rows replica, replica + replicas, ...).
+        replicas: Data-parallel degree.
+        generator: The shuffling source.
+
+    Raises:
+        ConfigError: The file has no `history` column or too few rows for the replicas.
+    """
+    table = pq.read_table(path, columns=["history"])
+    histories = table.column("history").to_pylist()[replica::replicas]
+    if not histories:
+        raise ConfigError(
+            f"sequences={path}: {table.num_rows} rows cannot feed {replicas} data-parallel "
+            "replicas; use more data or fewer ranks per stage"
+        )
+    while True:
+        for index in generator.permutation(len(histories)):
+            yield histories[index]
+
+
+def micro_batches(
+    spec: PipelineSpec, replica: int = 0, replicas: int = 1
+) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """Endless pipeline micro batches ((history, positives, negatives), positives).
+
+    The stream depends on spec.seed and the replica only, so the first and the last
+    stage of a pipeline (which both read it) see the same batches, whatever num_stages.
+
+    Args:
+        spec: The run's spec.
+        replica: Data-parallel replica index of the calling rank.
+        replicas: Data-parallel degree (world_size / num_stages).
+    """
+    rng = np.random.default_rng((spec.seed, replica))
+    negatives_rng = torch.Generator().manual_seed(spec.seed * 65_537 + replica)
+    if spec.sequences is None:
+        source = synthetic_sequences(spec.num_items, spec.max_length, rng)
+    else:
+        source = parquet_sequences(spec.sequences, replica, replicas, rng)
+    while True:
+        rows = [next(source) for _ in range(spec.micro_batch_size)]
+        history, positives = next_item_batch(rows, spec.max_length)  # (B, L) each
+        negatives = sample_negatives(
+            positives, spec.num_items, spec.num_negatives, negatives_rng
+        )  # (B, L, N)
+        yield pipeline_batch(history, positives, negatives)
+
+
+def seed_layer(seed: int) -> None:
+    """PipelineModule's `seed_fn`: seed python, numpy and torch.
+
+    With partition_method="parameters" DeepSpeed passes a numpy integer, which
+    `random.seed` refuses; hence the cast.
+    """
+    set_random_seed(int(seed))
+
+
+def layer_base_seed(seed: int) -> int:
+    """The PipelineModule `base_seed` of a spec seed (nonzero, distinct per seed)."""
+    return 1_000_003 * (seed + 1)
+
+
+def deepspeed_config(spec: PipelineSpec, data_parallel: int) -> dict[str, Any]:
+    """The DeepSpeed config of a pipeline run (global batch = micro x accum x dp)."""
+    return {
+        "train_batch_size": spec.micro_batch_size
+        * spec.gradient_accumulation_steps
+        * data_parallel,
+        "train_micro_batch_size_per_gpu": spec.micro_batch_size,
+        "gradient_accumulation_steps": spec.gradient_accumulation_steps,
+        "optimizer": {
+            "type": "Adam",
+            # torch's Adam: DeepSpeed's fused Adam would be compiled at first use.
+            "params": {"lr": spec.lr, "betas": [0.9, 0.98], "eps": 1e-8, "torch_adam": True},
+        },
+        "zero_optimization": {"stage": spec.zero_stage},
+        "bf16": {"enabled": not spec.fp32},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def run(spec: PipelineSpec) -> None:
+    """Train one rank of the pipeline.
+
+    Raises:
+        ConfigError: The stage count or ZeRO stage does not fit the launched ranks.
+    """
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    check_pipeline_config(world_size, spec.num_stages, spec.zero_stage)
+
+    layers = build_pipeline_layers(
+        spec.num_items,
+        spec.max_length,
+        spec.hidden_dim,
+        spec.num_blocks,
+        spec.num_heads,
+        spec.dropout,
+    )
+    # seed_layers: layer i is built right after seeding with base + i, on whichever
+    # stage holds it, so the initial weights do not depend on num_stages. DeepSpeed
+    # also reseeds before every layer's forward with base * micro_batch + i, which makes
+    # dropout masks stage-independent; a large base keeps those seeds distinct per micro
+    # batch (base 0 would repeat one mask).
+    module = PipelineModule(
+        layers=layers,
+        num_stages=spec.num_stages,
+        loss_fn=LOSSES[spec.loss],
+        partition_method=spec.partition_method,
+        seed_layers=True,
+        seed_fn=seed_layer,
+        base_seed=layer_base_seed(spec.seed),
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        config=deepspeed_config(spec, world_size // spec.num_stages),
+    )
+    data = micro_batches(
+        spec, engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+    )
+    losses: list[float] = []
+    started = time.monotonic()
+    for _ in range(spec.steps):
+        # The last stage computes the loss; the engine broadcasts it to every stage.
+        losses.append(float(engine.train_batch(data_iter=data)))
+    seconds = time.monotonic() - started
+
+    if spec.weights_dir is not None and engine.grid.get_data_parallel_rank() == 0:
+        spec.weights_dir.mkdir(parents=True, exist_ok=True)
+        state = {name: t.detach().float().contiguous() for name, t in module.state_dict().items()}
+        save_file(state, str(spec.weights_dir / f"stage-{engine.stage_id:02d}.safetensors"))
+    if rank == 0:
+        record = {
+            "losses": losses,
+            "world_size": world_size,
+            "num_stages": spec.num_stages,
+            "parts": [int(part) for part in module.parts],
+            "seconds": seconds,
+        }
+        spec.out.parent.mkdir(parents=True, exist_ok=True)
+        spec.out.write_text(json.dumps(record, indent=2) + "\n")
+    dist.barrier()  # rank 0's and every stage's files are written before any rank exits
+
+
+def load_spec(path: Path) -> PipelineSpec:
+    """Parse a spec file.
+
+    Raises:
+        ConfigError: Unknown keys, missing keys or invalid values (named).
+    """
+    try:
+        return PipelineSpec.model_validate_json(path.read_text())
+    except ValidationError as error:
+        raise ConfigError(f"{path}: invalid pipeline spec: {error}") from error
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: `python -m training.pipeline_worker SPEC.json` (other args ignored)."""
+    args = sys.argv[1:] if argv is None else argv
+    spec_args = [arg for arg in args if arg.endswith(".json")]
+    if len(spec_args) != 1:
+        raise SystemExit(f"usage: python -m training.pipeline_worker SPEC.json (got {args})")
+    try:
+        run(load_spec(Path(spec_args[0])))
+    except Exception as error:
+        # One parseable line per failing rank, as training.worker prints.
+        rank = dist.get_rank() if dist.is_initialized() else None
+        report = {"rank": rank, "error": f"{type(error).__name__}: {error}"[:2000]}
+        print(ERROR_PREFIX + json.dumps(report), flush=True)
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,605 @@
+"""SASRec: a causal Transformer over a user's item sequence, and its pipeline form.
+
+Reads nothing and writes nothing: modules, losses and the DeepSpeed pipeline layers.
+
+The data come from `data_prep.sequences`: a train row's `history` holds up to
+`max_length + 1` item indices, oldest first; `next_item_batch` left-pads them and
+splits them into the model's input (the first `max_length` items) and the next item
+at every position. Item index 0 is padding (and out-of-vocabulary).
+
+Model (pre-LN, as in SASRec with the usual LayerNorm-first fix):
+
+    x = item_embedding(history) * sqrt(D) + position_embedding   # (B, L, D), dropout
+    for each block:
+        x = x + attention(LayerNorm(x))   # causal, padding keys masked
+        x = x + ffn(LayerNorm(x))         # position-wise, ReLU
+    hidden = LayerNorm(x)                 # (B, L, D)
+    score(item) = <hidden, item_embedding[item]>   # the input table, tied
+
+Padding positions (history == 0) are masked as attention keys, their hidden states
+are zeroed after every block, and they are excluded from the losses.
+
+Pipeline form (`build_pipeline_layers`): the same function as a list of
+`deepspeed.pipe` layer specs. Stages pass tuples of tensors only:
+
+    layer 0           TiedLayerSpec "item_embedding"  (history, positives, negatives)
+                                                 -> (item_vectors, history, positives, negatives)
+    layer 1           SequenceInputPipe   -> (hidden, history, positives, negatives)
+    layers 2..2+K-1   TransformerBlockPipe (one per block, same tuple)
+    layer 2+K         FinalNormPipe       -> (hidden, history, positives, negatives)
+    layer 3+K         TiedLayerSpec "item_embedding" (scoring) -> logits (B, L, 1 + N)
+
+The integer tensors ride along unchanged (DeepSpeed sends no gradient for them); only
+`hidden` carries a gradient between stages. The loss function of the PipelineModule
+is `bce_loss` or `sampled_softmax_loss`: `loss_fn(logits, positives)`. One micro batch
+for `engine.train_batch(data_iter)` is the tuple `((history, positives, negatives),
+positives)`: inputs for the first stage, labels for the last (see `pipeline_batch`).
+
+Shapes: B = batch, L = sequence length (<= max_length), D = hidden_dim,
+H = num_heads, N = negatives per position, C = candidate items, V = num_items.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+
+from data_prep.errors import ConfigError
+
+PADDING_ITEM = 0
+TIED_KEY = "item_embedding"
+# The key a PipelineModule's own state_dict gives the tied item table.
+_TIED_STATE_KEY = f"tied_modules.{TIED_KEY}.weight"
+
+
+def init_item_table(weight: torch.Tensor) -> None:
+    """Initialise an item table in place: N(0, 1/D) rows, the padding row zero.
+
+    With the input scaled by sqrt(D), inputs have unit scale, and a dot product of a
+    LayerNorm'd hidden state with a row starts with unit-scale logits.
+
+    Args:
+        weight: (V, D) the table.
+    """
+    with torch.no_grad():
+        nn.init.normal_(weight, std=weight.shape[1] ** -0.5)
+        weight[PADDING_ITEM].zero_()
+
+
+def score_items(
+    weight: torch.Tensor, hidden: torch.Tensor, items: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dot products of hidden states with item vectors.
+
+    Args:
+        weight: (V, D) item table.
+        hidden: (..., D) hidden states, e.g. (B, D) or (B, L, D).
+        items: (..., C) candidate item indices, broadcastable against `hidden`'s
+            leading dims (e.g. (B, C) with (B, D), (B, L, C) with (B, L, D), or (C,)
+            shared by every row); None scores every item.
+
+    Returns:
+        (..., C) scores, or (..., V) when `items` is None.
+    """
+    if items is None:
+        return hidden @ weight.T  # (..., V)
+    vectors = F.embedding(items, weight, padding_idx=PADDING_ITEM)  # (..., C, D)
+    return (vectors * hidden.unsqueeze(-2)).sum(dim=-1)  # (..., C)
+
+
+def candidates_of(positives: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
+    """The positive first, then the negatives: (B, L) and (B, L, N) -> (B, L, 1 + N)."""
+    return torch.cat([positives.unsqueeze(-1), negatives], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position i sees positions <= i that are not padding.
+
+    A padding query would see no key at all (NaN softmax); every position may
+    therefore also see itself. Padding outputs are discarded by the caller.
+
+    Args:
+        hidden_dim: D, divisible by num_heads.
+        num_heads: H.
+        dropout: Dropout on the attention weights and the output.
+    """
+
+    def __init__(self, hidden_dim: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        if hidden_dim % num_heads:
+            raise ConfigError(
+                f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}; "
+                "change one of them"
+            )
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(hidden_dim, 3 * hidden_dim)
+        self.out = nn.Linear(hidden_dim, hidden_dim)
+        self.out_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Attend.
+
+        Args:
+            x: (B, L, D) normalised inputs.
+            valid: (B, L) bool, False at padding.
+
+        Returns:
+            (B, L, D).
+        """
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(x).split(dim, dim=-1)  # 3 x (B, L, D)
+        # (B, H, L, D/H)
+        q, k, v = (t.view(batch, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()  # (L, L)
+        eye = torch.eye(length, dtype=torch.bool, device=x.device)
+        allowed = causal & (valid.unsqueeze(1) | eye)  # (B, L, L): query i, key j
+        attended = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=allowed.unsqueeze(1),  # (B, 1, L, L)
+            dropout_p=self.dropout if self.training else 0.0,
+        )  # (B, H, L, D/H)
+        attended = attended.transpose(1, 2).reshape(batch, length, dim)
+        return self.out_dropout(self.out(attended))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block: x + attention(LN(x)), then x + FFN(LN(x)); padding rows zeroed.
+
+    Args:
+        hidden_dim: D.
+        num_heads: H.
+        dropout: Dropout in attention and FFN.
+    """
+
+    def __init__(self, hidden_dim: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(hidden_dim)
+        self.attention = CausalSelfAttention(hidden_dim, num_heads, dropout)
+        self.ffn_norm = nn.LayerNorm(hidden_dim)
+        # Position-wise FFN of width D, as in SASRec (not 4D as in GPT).
+        self.ffn = nn.Sequential(
+            nn.Linear(hidden_dim, hidden_dim),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden_dim, hidden_dim),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, L, D); history (B, L) item indices. Returns (B, L, D)."""
+        valid = history != PADDING_ITEM  # (B, L)
+        x = x + self.attention(self.attention_norm(x), valid)
+        x = x + self.ffn(self.ffn_norm(x))
+        return x * valid.unsqueeze(-1)
+
+
+class SequenceInput(nn.Module):
+    """Scaled item vectors plus learned positions, dropout, padding rows zeroed.
+
+    Args:
+        max_length: Longest sequence (rows of the position table).
+        hidden_dim: D.
+        dropout: Dropout on the sum.
+    """
+
+    def __init__(self, max_length: int, hidden_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.position_embedding = nn.Embedding(max_length, hidden_dim)
+        self.dropout = nn.Dropout(dropout)
+        self.scale = math.sqrt(hidden_dim)
+
+    def forward(self, item_vectors: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """Args: item_vectors (B, L, D); history (B, L). Returns (B, L, D).
+
+        Raises:
+            ValueError: L is longer than max_length.
+        """
+        length = history.shape[1]
+        if length > self.position_embedding.num_embeddings:
+            raise ValueError(
+                f"sequence length {length} exceeds max_length="
+                f"{self.position_embedding.num_embeddings}; truncate the history"
+            )
+        positions = torch.arange(length, device=history.device)  # (L,)
+        x = item_vectors * self.scale + self.position_embedding(positions)  # (B, L, D)
+        return self.dropout(x) * (history != PADDING_ITEM).unsqueeze(-1)
+
+
+class SASRec(nn.Module):
+    """Self-attentive sequential recommendation (Kang & McAuley, 2018), pre-LN.
+
+    Args:
+        num_items: V, item indices 0..V-1, 0 the padding item.
+        max_length: Longest input sequence L.
+        hidden_dim: D, the item embedding and model width.
+        num_blocks: Transformer blocks.
+        num_heads: Attention heads (divide hidden_dim).
+        dropout: Dropout probability.
+
+    Raises:
+        ConfigError: hidden_dim is not divisible by num_heads, or num_items < 2.
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        max_length: int,
+        hidden_dim: int,
+        num_blocks: int,
+        num_heads: int,
+        dropout: float,
+    ) -> None:
+        super().__init__()
+        _check_model_args(num_items, max_length, num_blocks)
+        self.item_embedding = nn.Embedding(num_items, hidden_dim, padding_idx=PADDING_ITEM)
+        init_item_table(self.item_embedding.weight)
+        self.input = SequenceInput(max_length, hidden_dim, dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(hidden_dim, num_heads, dropout) for _ in range(num_blocks)
+        )
+        self.final_norm = nn.LayerNorm(hidden_dim)
+
+    def forward(self, history: torch.Tensor) -> torch.Tensor:
+        """Hidden states of every position.
+
+        Args:
+            history: (B, L) int64 item indices, left-padded with 0, L <= max_length.
+
+        Returns:
+            (B, L, D); position t has seen history[:, : t + 1] only.
+        """
+        x = self.input(self.item_embedding(history), history)  # (B, L, D)
+        for block in self.blocks:
+            x = block(x, history)
+        return self.final_norm(x)
+
+    def score(self, hidden: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores of candidate items with the tied item table (see `score_items`).
+
+        Args:
+            hidden: (B, D) or (B, L, D).
+            items: (..., C) candidates broadcastable against `hidden`; None for all items.
+
+        Returns:
+            (..., C) scores, or (..., V) for all items.
+        """
+        return score_items(self.item_embedding.weight, hidden, items)
+
+
+def _check_model_args(num_items: int, max_length: int, num_blocks: int) -> None:
+    if num_items < 2:
+        raise ConfigError(f"num_items={num_items}: need the padding item 0 and at least one item")
+    if max_length < 1 or num_blocks < 1:
+        raise ConfigError(
+            f"max_length={max_length}, num_blocks={num_blocks}: both must be at least 1"
+        )
+
+
+# --- batches, negatives and losses -------------------------------------------------
+
+
+def next_item_batch(
+    sequences: list[list[int]], max_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-item targets from train `history` lists (oldest first).
+
+    Args:
+        sequences: B lists of item indices; the last `max_length + 1` of each are used.
+        max_length: L.
+
+    Returns:
+        history (B, L) int64, left-padded with 0; positives (B, L) int64, the item that
+        follows each position, 0 where the input is padding (excluded from the loss).
+    """
+    padded = torch.zeros(len(sequences), max_length + 1, dtype=torch.int64)  # (B, L + 1)
+    for row, items in enumerate(sequences):
+        kept = list(items)[-(max_length + 1) :]
+        if kept:
+            padded[row, -len(kept) :] = torch.as_tensor(kept, dtype=torch.int64)
+    history = padded[:, :-1]
+    positives = padded[:, 1:].masked_fill(history == PADDING_ITEM, PADDING_ITEM)
+    return history.contiguous(), positives.contiguous()
+
+
+def sample_negatives(
+    positives: torch.Tensor,
+    num_items: int,
+    num_negatives: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Uniform negatives from [1, num_items) for every position (0 where positives is 0).
+
+    A negative may coincide with the positive or the history, as in uniform sampling
+    generally; with many items this is rare.
+
+    Args:
+        positives: (B, L) int64 targets, 0 at excluded positions.
+        num_items: V.
+        num_negatives: N (1 for the original BCE loss).
+        generator: Random source; pass a seeded one for reproducible draws.
+
+    Returns:
+        (B, L, N) int64.
+    """
+    negatives = torch.randint(
+        1, num_items, (*positives.shape, num_negatives), generator=generator, dtype=torch.int64
+    )
+    return negatives.masked_fill(positives.unsqueeze(-1) == PADDING_ITEM, PADDING_ITEM)
+
+
+def bce_loss(logits: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+    """SASRec's loss: -log s(pos) - sum_n log(1 - s(neg_n)), averaged over valid positions.
+
+    With N = 1 this is the original SASRec objective (one sampled negative per position).
+
+    Args:
+        logits: (B, L, 1 + N) scores of the positive (first) and the negatives, as from
+            `score(hidden, candidates_of(positives, negatives))` or the pipeline.
+        positives: (B, L) int64, 0 at positions excluded from the loss.
+
+    Returns:
+        Scalar fp32 loss (0 if no position is valid).
+    """
+    logits = logits.float()
+    valid = positives != PADDING_ITEM  # (B, L)
+    targets = torch.zeros_like(logits)
+    targets[..., 0] = 1.0
+    per_position = F.binary_cross_entropy_with_logits(logits, targets, reduction="none").sum(-1)
+    return (per_position * valid).sum() / valid.sum().clamp(min=1)
+
+
+def sampled_softmax_loss(logits: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the positive against its N sampled negatives, over valid positions.
+
+    Args:
+        logits: (B, L, 1 + N), the positive first.
+        positives: (B, L) int64, 0 at positions excluded from the loss.
+
+    Returns:
+        Scalar fp32 loss (0 if no position is valid).
+    """
+    logits = logits.float()
+    valid = positives != PADDING_ITEM  # (B, L)
+    per_position = torch.logsumexp(logits, dim=-1) - logits[..., 0]  # (B, L)
+    return (per_position * valid).sum() / valid.sum().clamp(min=1)
+
+
+LOSSES = {"bce": bce_loss, "sampled_softmax": sampled_softmax_loss}
+
+
+# --- pipeline form -------------------------------------------------------------------
+
+
+class ItemEmbeddingPipe(nn.Module):
+    """The tied item table as the first pipeline layer; scoring is `score_candidates_pipe`.
+
+    A module of its own (not an nn.Embedding) so that its forward takes the pipeline
+    tuple and DeepSpeed saves it as layer 0 of a pipeline checkpoint.
+
+    Args:
+        num_items: V.
+        hidden_dim: D.
+    """
+
+    def __init__(self, num_items: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_items, hidden_dim))
+        init_item_table(self.weight)
+
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """(history (B, L), positives (B, L), negatives (B, L, N)) -> (vectors (B, L, D), ...)."""
+        history, positives, negatives = inputs
+        vectors = F.embedding(history, self.weight, padding_idx=PADDING_ITEM)  # (B, L, D)
+        return vectors, history, positives, negatives
+
+
+def score_candidates_pipe(
+    table: ItemEmbeddingPipe, inputs: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """Last pipeline layer: (hidden, history, positives, negatives) -> logits (B, L, 1 + N)."""
+    hidden, _, positives, negatives = inputs
+    return score_items(table.weight, hidden, candidates_of(positives, negatives))
+
+
+class SequenceInputPipe(nn.Module):
+    """`SequenceInput` on the pipeline tuple (args as SequenceInput)."""
+
+    def __init__(self, max_length: int, hidden_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.input = SequenceInput(max_length, hidden_dim, dropout)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """(vectors, history, positives, negatives) -> (hidden (B, L, D), history, ...)."""
+        vectors, history, *rest = inputs
+        return self.input(vectors, history), history, *rest
+
+
+class TransformerBlockPipe(nn.Module):
+    """`TransformerBlock` on the pipeline tuple (args as TransformerBlock)."""
+
+    def __init__(self, hidden_dim: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.block = TransformerBlock(hidden_dim, num_heads, dropout)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """(hidden, history, positives, negatives) -> the same with hidden updated."""
+        hidden, history, *rest = inputs
+        return self.block(hidden, history), history, *rest
+
+
+class FinalNormPipe(nn.Module):
+    """The final LayerNorm on the pipeline tuple."""
+
+    def __init__(self, hidden_dim: int) -> None:
+        super().__init__()
+        self.final_norm = nn.LayerNorm(hidden_dim)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """(hidden, history, positives, negatives) -> the same with hidden normalised."""
+        hidden, *rest = inputs
+        return self.final_norm(hidden), *rest
+
+
+def build_pipeline_layers(
+    num_items: int,
+    max_length: int,
+    hidden_dim: int,
+    num_blocks: int,
+    num_heads: int,
+    dropout: float,
+) -> list[LayerSpec]:
+    """SASRec as `deepspeed.pipe` layer specs (see the module docstring for the tuples).
+
+    `PipelineModule(layers=..., num_stages=S, loss_fn=bce_loss or sampled_softmax_loss)`
+    computes `loss_fn(SASRec.score(SASRec(history), candidates_of(positives,
+    negatives)), positives)` for the same weights (`pipeline_state_to_sasrec`). The item
+    table is one `TiedLayerSpec` key used by the first and the last layer; DeepSpeed
+    keeps one copy per stage that uses it, all-reduces its gradient, and broadcasts
+    stage 0's initial copy.
+
+    Args:
+        num_items, max_length, hidden_dim, num_blocks, num_heads, dropout: as `SASRec`.
+
+    Returns:
+        num_blocks + 4 specs: item table, input, blocks, final norm, scoring.
+
+    Raises:
+        ConfigError: As `SASRec`.
+    """
+    _check_model_args(num_items, max_length, num_blocks)
+    if hidden_dim % num_heads:
+        raise ConfigError(
+            f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}; change one of them"
+        )
+    return [
+        TiedLayerSpec(
+            TIED_KEY, ItemEmbeddingPipe, num_items, hidden_dim, tied_weight_attr="weight"
+        ),
+        LayerSpec(SequenceInputPipe, max_length, hidden_dim, dropout),
+        *(
+            LayerSpec(TransformerBlockPipe, hidden_dim, num_heads, dropout)
+            for _ in range(num_blocks)
+        ),
+        LayerSpec(FinalNormPipe, hidden_dim),
+        TiedLayerSpec(
+            TIED_KEY,
+            ItemEmbeddingPipe,
+            num_items,
+            hidden_dim,
+            forward_fn=score_candidates_pipe,
+            tied_weight_attr="weight",
+        ),
+    ]
+
+
+def pipeline_batch(
+    history: torch.Tensor, positives: torch.Tensor, negatives: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One micro batch as `PipelineEngine.train_batch` pulls it from its iterator.
+
+    The first stage reads the inputs, the last stage the labels; with several stages
+    both ranks must iterate over the same micro batches.
+
+    Args:
+        history: (B, L) int64.
+        positives: (B, L) int64.
+        negatives: (B, L, N) int64.
+
+    Returns:
+        ((history, positives, negatives), positives).
+    """
+    return (history, positives, negatives), positives
+
+
+def pipeline_state_to_sasrec(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map pipeline layer names back to `SASRec` names.
+
+    Accepts `PipelineModule.state_dict()` of one or more stages merged (the table as
+    `tied_modules.item_embedding.weight`, layers as `<index>.<name>`) and per-layer
+    checkpoint files merged with the layer index as prefix (`0.weight` for the table).
+    The number of blocks is read from the layer indices.
+
+    Args:
+        state: Pipeline names -> tensors.
+
+    Returns:
+        A state dict for `SASRec.load_state_dict`.
+
+    Raises:
+        ValueError: A name fits no pipeline layer, or a layer is missing.
+    """
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    table: torch.Tensor | None = None
+    for name, tensor in state.items():
+        if name == _TIED_STATE_KEY:
+            table = tensor
+            continue
+        match = re.fullmatch(r"(\d+)\.(.+)", name)
+        if match is None:
+            raise ValueError(f"{name!r} is not a SASRec pipeline parameter name")
+        by_layer.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+    if 0 in by_layer:
+        table = by_layer.pop(0)["weight"]
+    if table is None:
+        raise ValueError("the pipeline state has no item table (layer 0 or the tied module)")
+    indices = sorted(by_layer)
+    # Layers 1..K+2 carry parameters: input, K blocks, final norm (the last layer,
+    # the scoring, shares the table and is never saved on its own).
+    if not indices or indices != list(range(1, indices[-1] + 1)) or len(indices) < 3:
+        raise ValueError(f"pipeline layers {indices} are not the contiguous range 1..K+2")
+    num_blocks = len(indices) - 2
+    result = {"item_embedding.weight": table}
+    for index in indices:
+        for name, tensor in by_layer[index].items():
+            if index == 1:
+                target = name  # "input.position_embedding.weight"
+            elif index == num_blocks + 2:
+                target = name  # "final_norm.weight"
+            elif name.startswith("block."):
+                target = f"blocks.{index - 2}.{name.removeprefix('block.')}"
+            else:
+                raise ValueError(f"layer {index}: {name!r} is not a transformer block name")
+            result[target] = tensor
+    return result
+
+
+def check_pipeline_config(world_size: int, num_stages: int, zero_stage: int) -> None:
+    """Refuse a pipeline layout DeepSpeed cannot run.
+
+    Args:
+        world_size: Ranks launched.
+        num_stages: Pipeline stages; world_size / num_stages is the data-parallel degree.
+        zero_stage: ZeRO stage of the DeepSpeed config.
+
+    Raises:
+        ConfigError: num_stages < 1, num_stages does not divide world_size, or ZeRO
+            stage 2/3 (DeepSpeed's pipeline engine supports ZeRO 0 and 1 only).
+    """
+    if num_stages < 1 or world_size < 1:
+        raise ConfigError(
+            f"train.pipeline_stages={num_stages}, train.world_size={world_size}: both must "
+            "be at least 1"
+        )
+    if world_size % num_stages:
+        raise ConfigError(
+            f"train.pipeline_stages={num_stages} does not divide train.world_size="
+            f"{world_size}: every data-parallel replica needs all stages; choose a "
+            "world_size that is a multiple of pipeline_stages"
+        )
+    if zero_stage not in (0, 1):
+        raise ConfigError(
+            f"train.zero_stage={zero_stage} with train.pipeline_stages={num_stages}: "
+            "DeepSpeed pipeline parallelism supports ZeRO stage 0 or 1 only; set "
+            "zero_stage to 0 or 1"
+        )
