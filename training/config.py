@@ -89,6 +89,12 @@ class TrainConfig(BaseModel):
         "the rows in the batch).",
     )
     sparse_lr: float = Field(0.05, gt=0, description="Learning rate of the embedding rows.")
+    sparse_weight_decay: float = Field(
+        0.0,
+        ge=0,
+        description="L2 penalty on the embedding rows, applied to a row when it is updated "
+        "(lazy, so rarely seen rows are not decayed between sightings).",
+    )
     admission_min_count: int = Field(
         0,
         ge=0,

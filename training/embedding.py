@@ -136,6 +136,7 @@ class ShardedEmbedding:
         rank: This rank; with world_size 1 no collective is used.
         world_size: W.
         group: Process group of the all-to-alls (default: the world).
+        weight_decay: L2 penalty added to the gradient of each row it updates.
     """
 
     def __init__(
@@ -149,6 +150,7 @@ class ShardedEmbedding:
         rank: int = 0,
         world_size: int = 1,
         group: dist.ProcessGroup | None = None,
+        weight_decay: float = 0.0,
     ) -> None:
         if optimizer not in ("rowwise_adagrad", "lazy_adam"):
             raise ValueError(f"optimizer must be rowwise_adagrad or lazy_adam, got {optimizer!r}")
@@ -159,6 +161,7 @@ class ShardedEmbedding:
         self.optimizer = optimizer
         self.lr = lr
         self.admission_min_count = admission_min_count
+        self.weight_decay = weight_decay
         self.rank, self.world_size, self.group = rank, world_size, group
         self.weight = init_rows(self.table_sizes, embedding_dim, seed, rank, world_size)
         local = self.weight.shape[0]
@@ -299,6 +302,8 @@ class ShardedEmbedding:
         if self.counts is not None:
             keep = self.counts[rows] >= self.admission_min_count
             rows, summed = rows[keep], summed[keep]
+        if self.weight_decay:
+            summed += self.weight_decay * self.weight[rows]
         if self.optimizer == "rowwise_adagrad":
             self._rowwise_adagrad(rows, summed)
         else:

@@ -182,6 +182,7 @@ def run(spec: dict[str, Any]) -> None:
             rank,
             world_size,
             group,
+            config.sparse_weight_decay,
         )
     else:
         module = build_model(model_config)

@@ -191,3 +191,20 @@ def test_accumulated_micro_batches_update_once_with_the_summed_gradient() -> Non
     single.step()
     torch.testing.assert_close(accumulated.weight, single.weight)
     assert accumulated.steps == single.steps == 1
+
+
+def test_weight_decay_adds_l2_to_the_updated_rows_only() -> None:
+    decayed = ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", lr=0.1, seed=3, weight_decay=0.5)
+    before = decayed.weight.clone()
+    rows, inverse, context = decayed.lookup(torch.tensor([4, 11]))
+    (rows[inverse] * 2.0).sum().backward()
+    decayed.accumulate_gradients(rows.grad, context)
+    decayed.step()
+    for row in (4, 11):
+        grad = 2.0 + 0.5 * before[row]  # the loss gradient plus the L2 term
+        sum_sq = grad.pow(2).mean()
+        expected = before[row] - 0.1 * grad / (sum_sq.sqrt() + ADAGRAD_EPS)
+        torch.testing.assert_close(decayed.weight[row], expected)
+    untouched = torch.ones(sum(SIZES), dtype=torch.bool)
+    untouched[[4, 11]] = False
+    assert torch.equal(decayed.weight[untouched], before[untouched])
