@@ -349,23 +349,3 @@ class ShardedEmbedding:
         output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
         dist.all_to_all_single(output, tensor, output_splits, input_splits, group=self.group)
         return output
-
-
-def gather_full_table(shards: list[torch.Tensor], num_rows: int) -> torch.Tensor:
-    """Interleave W shards' local rows back into the (N, D) table (row g = shard g % W).
-
-    Args:
-        shards: Local rows of ranks 0..W-1 (each (ceil((N - r) / W), D)).
-        num_rows: N.
-
-    Returns:
-        (N, D) table.
-    """
-    world_size = len(shards)
-    table = torch.empty((num_rows, shards[0].shape[1]), dtype=shards[0].dtype)
-    for rank, shard in enumerate(shards):
-        expected = _local_rows(num_rows, rank, world_size)
-        if shard.shape[0] != expected:
-            raise ValueError(f"shard {rank} has {shard.shape[0]} rows, expected {expected}")
-        table[rank::world_size] = shard
-    return table

@@ -52,8 +52,7 @@ from training.sequence_model import (
     pipeline_batch,
     sample_negatives,
 )
-
-ERROR_PREFIX = "RECFORGE_ERROR "
+from training.worker import rank_main
 
 
 class PipelineSpec(BaseModel):
@@ -272,19 +271,7 @@ def load_spec(path: Path) -> PipelineSpec:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: `python -m training.pipeline_worker SPEC.json` (other args ignored)."""
-    args = sys.argv[1:] if argv is None else argv
-    spec_args = [arg for arg in args if arg.endswith(".json")]
-    if len(spec_args) != 1:
-        raise SystemExit(f"usage: python -m training.pipeline_worker SPEC.json (got {args})")
-    try:
-        run(load_spec(Path(spec_args[0])))
-    except Exception as error:
-        # One parseable line per failing rank, as training.worker prints.
-        rank = dist.get_rank() if dist.is_initialized() else None
-        report = {"rank": rank, "error": f"{type(error).__name__}: {error}"[:2000]}
-        print(ERROR_PREFIX + json.dumps(report), flush=True)
-        raise
-    return 0
+    return rank_main("training.pipeline_worker", lambda path: run(load_spec(path)), argv)
 
 
 if __name__ == "__main__":

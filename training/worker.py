@@ -35,6 +35,7 @@ import random
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -442,22 +443,39 @@ def _fp32_state_dict(
     return state
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: `python -m training.worker LAUNCH.json` (other launcher args ignored)."""
+def rank_main(module: str, run_rank: Callable[[Path], None], argv: list[str] | None) -> int:
+    """Shared entry point of the rank modules: `python -m MODULE SPEC.json`.
+
+    Other launcher arguments (`--local_rank=...`) are ignored. Any exception prints one
+    `RECFORGE_ERROR {"rank": r, "error": "..."}` line, so the parent can name the root
+    cause among the other ranks' follow-on errors (a peer's closed connection), and is
+    raised again.
+
+    Args:
+        module: The module name, for the usage message.
+        run_rank: Runs one rank from the spec file's path.
+        argv: Command-line arguments; default sys.argv[1:].
+
+    Returns:
+        0 on success.
+    """
     args = sys.argv[1:] if argv is None else argv
     spec_args = [arg for arg in args if arg.endswith(".json")]
     if len(spec_args) != 1:
-        raise SystemExit(f"usage: python -m training.worker LAUNCH.json (got {args})")
+        raise SystemExit(f"usage: python -m {module} SPEC.json (got {args})")
     try:
-        run(json.loads(Path(spec_args[0]).read_text()))
+        run_rank(Path(spec_args[0]))
     except Exception as error:
-        # One parseable line per failing rank, so the parent can name the root cause
-        # among the other ranks' follow-on errors (a peer's closed connection).
         rank = dist.get_rank() if dist.is_initialized() else None
         report = {"rank": rank, "error": f"{type(error).__name__}: {error}"[:2000]}
         print(ERROR_PREFIX + json.dumps(report), flush=True)
         raise
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: `python -m training.worker LAUNCH.json` (other launcher args ignored)."""
+    return rank_main("training.worker", lambda path: run(json.loads(path.read_text())), argv)
 
 
 if __name__ == "__main__":

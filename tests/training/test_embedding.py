@@ -14,13 +14,20 @@ import torch.multiprocessing as mp
 from training.embedding import (
     ADAGRAD_EPS,
     ShardedEmbedding,
-    gather_full_table,
     init_rows,
     table_offsets,
 )
 
 SIZES = [7, 13, 5]
 DIM = 4
+
+
+def gather_full_table(shards: list[torch.Tensor], num_rows: int) -> torch.Tensor:
+    """Interleave W shards' local rows into the (N, D) table: row g is on shard g % W."""
+    table = torch.empty((num_rows, shards[0].shape[1]), dtype=shards[0].dtype)
+    for rank, shard in enumerate(shards):
+        table[rank :: len(shards)] = shard
+    return table
 
 
 def _loss(rows: torch.Tensor, inverse: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
