@@ -239,6 +239,7 @@ def preprocess_events(
             ts_name,
             config.sequence_length,
             out_dir / "sequences",
+            num_items=transform["sparse"][schema.item_key]["num_embeddings"],
         )
         sequences = built.rows
     time_plan = plan if isinstance(plan, _TimePlan) else None

@@ -9,7 +9,13 @@ mapped to indices) and writes, under ``out_dir``:
 - ``valid.parquet`` / ``test.parquet``: one row per evaluation event with
   ``user``, ``history`` (the last ``max_length`` items the user interacted with
   *before* the event: train items for valid, train + valid items for test),
-  ``target`` (the item) and the event time.
+  ``target`` (the item), the event time and ``seen`` (every distinct item of the
+  user up to and including this split, untruncated: the items a ranking protocol
+  must not sample as negatives);
+- ``train_item_counts.npy``: int64 interactions per item index in the train split
+  (index 0 included), for the popularity baseline;
+- ``sequences.json``: ``max_length``, ``num_items`` (the item vocabulary size, when
+  given), ``users`` and rows per output.
 
 Order within a user is by timestamp, ties broken by the row order of the
 transformed tables, which preprocess writes deterministically. A training
@@ -52,6 +58,7 @@ def build_sequences(
     max_length: int,
     out_dir: Path,
     partition_rows: int = 2_000_000,
+    num_items: int | None = None,
 ) -> SequenceResult:
     """Write train sequences and evaluation (history, target) rows.
 
@@ -63,6 +70,8 @@ def build_sequences(
         max_length: the longest history kept.
         out_dir: where the three Parquet files go.
         partition_rows: rows per spill partition; bounds memory.
+        num_items: the item vocabulary size (index 0 included), recorded in
+            sequences.json and the length of train_item_counts.npy; None: max item + 1.
 
     Returns:
         Users with a train sequence and rows per output.
@@ -75,7 +84,16 @@ def build_sequences(
     total = sum(_rows(split_dirs[s]) for s in ("train", *EVAL_SPLITS))
     partitions = max(1, -(-total // partition_rows))
     spill = out_dir / ".spill"
-    _spill_by_user(split_dirs, user, item, timestamp, partitions, spill)
+    counts = _spill_by_user(split_dirs, user, item, timestamp, partitions, spill)
+    if num_items is not None:
+        if counts.size > num_items:
+            raise DataError(
+                f"item index {counts.size - 1} in the train split is not below "
+                f"num_items={num_items}; the item vocabulary and the tables disagree, "
+                "rerun preprocess"
+            )
+        counts = np.pad(counts, (0, num_items - counts.size))
+    np.save(out_dir / "train_item_counts.npy", counts)
 
     writers: dict[str, pq.ParquetWriter] = {}
     rows = dict.fromkeys(("train", *EVAL_SPLITS), 0)
@@ -99,7 +117,10 @@ def build_sequences(
         path.unlink()
     spill.rmdir()
     (out_dir / "sequences.json").write_text(
-        json.dumps({"max_length": max_length, "users": users, "rows": rows}, indent=2)
+        json.dumps(
+            {"max_length": max_length, "num_items": num_items, "users": users, "rows": rows},
+            indent=2,
+        )
     )
     return SequenceResult(out_dir=out_dir, users=users, rows=rows)
 
@@ -112,10 +133,12 @@ def _rows(directory: Path) -> int:
 
 def _spill_by_user(
     split_dirs: dict[str, Path], user: str, item: str, ts: str, partitions: int, spill: Path
-) -> None:
+) -> np.ndarray:
+    """Spill events into partitions by user; return the train split's item counts."""
     spill.mkdir()
     writers: dict[int, pq.ParquetWriter] = {}
     order = 0
+    counts = np.zeros(0, dtype=np.int64)
     try:
         for split_code, split in enumerate(("train", *EVAL_SPLITS)):
             for path in sorted(Path(split_dirs[split]).glob("*.parquet")):
@@ -132,6 +155,11 @@ def _spill_by_user(
                         }
                     )
                     order += n
+                    if split_code == 0 and n:
+                        batch_counts = np.bincount(table.column("item").to_numpy())
+                        if batch_counts.size > counts.size:
+                            counts = np.pad(counts, (0, batch_counts.size - counts.size))
+                        counts[: batch_counts.size] += batch_counts
                     part_of = table.column("user").to_numpy() % partitions
                     for part in np.unique(part_of):
                         piece = table.filter(pa.array(part_of == part))
@@ -143,6 +171,7 @@ def _spill_by_user(
     finally:
         for writer in writers.values():
             writer.close()
+    return counts
 
 
 def _sequences_of_partition(table: pa.Table, max_length: int) -> dict[str, pa.Table]:
@@ -158,7 +187,9 @@ def _sequences_of_partition(table: pa.Table, max_length: int) -> dict[str, pa.Ta
     ends = np.r_[starts[1:], len(users)]
 
     train = {"user": [], "history": []}
-    evals = {s: {"user": [], "history": [], "target": [], "ts": []} for s in EVAL_SPLITS}
+    evals = {
+        s: {"user": [], "history": [], "target": [], "ts": [], "seen": []} for s in EVAL_SPLITS
+    }
     for start, end in zip(starts, ends, strict=True):
         u_items, u_ts, u_split = items[start:end], ts[start:end], split[start:end]
         in_train = u_split == 0
@@ -182,6 +213,7 @@ def _sequences_of_partition(table: pa.Table, max_length: int) -> dict[str, pa.Ta
                 evals[name]["history"].append(u_items[history[-max_length:]].tolist())
                 evals[name]["target"].append(int(u_items[i]))
                 evals[name]["ts"].append(int(u_ts[i]))
+                evals[name]["seen"].append(np.unique(u_items[u_split <= code]).tolist())
     history_type = pa.list_(pa.int64())
     out = {
         "train": pa.table(
@@ -199,6 +231,7 @@ def _sequences_of_partition(table: pa.Table, max_length: int) -> dict[str, pa.Ta
                 "history": pa.array(cols["history"], history_type),
                 "target": pa.array(cols["target"], pa.int64()),
                 "ts": pa.array(cols["ts"], pa.int64()),
+                "seen": pa.array(cols["seen"], history_type),
             }
         )
     return out

@@ -11,12 +11,103 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from data_prep.errors import ConfigError
+
+SEQUENCE_MODELS = ("sasrec", "bst")
+
+
+class SequenceModelConfig(BaseModel):
+    """The `train.sequence` section: SASRec/BST architecture and next-item objective.
+
+    The micro batch is `train.batch_size` sequences per data-parallel replica and
+    `train.grad_accum_steps` is the number of micro batches a pipeline step runs.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_length: int | None = Field(
+        None,
+        ge=1,
+        description="Items of history the model reads; default preprocess.sequence_length "
+        "(it may not exceed it).",
+    )
+    hidden_dim: int = Field(64, ge=1, description="Item embedding width and model width D.")
+    num_blocks: int = Field(2, ge=1, description="Transformer blocks.")
+    num_heads: int = Field(1, ge=1, description="Attention heads; must divide hidden_dim.")
+    dropout: float = Field(0.2, ge=0.0, lt=1.0, description="Dropout probability.")
+    loss: Literal["bce", "sampled_softmax"] = Field(
+        "bce",
+        description="'bce': SASRec's binary cross-entropy with num_negatives sampled "
+        "negatives per position (the paper uses 1); 'sampled_softmax': softmax of the "
+        "positive against num_negatives sampled negatives.",
+    )
+    num_negatives: int = Field(
+        1, ge=1, description="Uniformly sampled negative items per position."
+    )
+    mlp: list[int] = Field(
+        default_factory=lambda: [64, 32],
+        description="BST only: hidden sizes of the MLP over the target's hidden state.",
+    )
+    partition_method: Literal["uniform", "parameters"] = Field(
+        "parameters",
+        description="How DeepSpeed assigns layers to pipeline stages: 'uniform' (layer "
+        "count) or 'parameters' (parameter count).",
+    )
+
+
+def check_pipeline_config(world_size: int, num_stages: int, zero_stage: int) -> None:
+    """Refuse a pipeline layout DeepSpeed cannot run.
+
+    Args:
+        world_size: Ranks launched.
+        num_stages: Pipeline stages; world_size / num_stages is the data-parallel degree.
+        zero_stage: ZeRO stage of the DeepSpeed config.
+
+    Raises:
+        ConfigError: num_stages < 1, num_stages does not divide world_size, or ZeRO
+            stage 2/3 (DeepSpeed's pipeline engine supports ZeRO 0 and 1 only).
+    """
+    if num_stages < 1 or world_size < 1:
+        raise ConfigError(
+            f"train.pipeline_stages={num_stages}, train.world_size={world_size}: both must "
+            "be at least 1"
+        )
+    if world_size % num_stages:
+        raise ConfigError(
+            f"train.pipeline_stages={num_stages} does not divide train.world_size="
+            f"{world_size}: every data-parallel replica needs all stages; choose a "
+            "world_size that is a multiple of pipeline_stages"
+        )
+    if zero_stage not in (0, 1):
+        raise ConfigError(
+            f"train.zero_stage={zero_stage} with train.pipeline_stages={num_stages}: "
+            "DeepSpeed pipeline parallelism supports ZeRO stage 0 or 1 only; set "
+            "zero_stage to 0 or 1"
+        )
+
 
 class TrainConfig(BaseModel):
     """The `train` section: model architecture, optimisation and parallelism."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    model: Literal["dlrm", "sasrec", "bst"] = Field(
+        "dlrm",
+        description="'dlrm': the CTR model over the shards (DLRM/DCN-v2, sharded "
+        "embeddings). 'sasrec': next-item Transformer over preprocess's per-user sequences. "
+        "'bst': Behavior Sequence Transformer, the target item appended to the history. "
+        "The sequence models train as a DeepSpeed PipelineModule (see `sequence`).",
+    )
+    sequence: SequenceModelConfig = Field(
+        default_factory=SequenceModelConfig,
+        description="Architecture and objective of the sequence models.",
+    )
+    pipeline_stages: int = Field(
+        1,
+        ge=1,
+        description="Sequence models: pipeline-parallel stages; world_size / pipeline_stages "
+        "ranks form the data-parallel (ZeRO-1) replicas.",
+    )
     interaction: Literal["dot", "cross"] = Field(
         "dot",
         description="Feature interaction: 'dot' (DLRM pairwise dot products) or "
@@ -135,6 +226,26 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_layer_sizes(self) -> TrainConfig:
+        if self.model in SEQUENCE_MODELS:
+            try:
+                check_pipeline_config(self.world_size, self.pipeline_stages, self.zero_stage)
+            except ConfigError as error:
+                raise ValueError(str(error)) from None
+            if self.sequence.hidden_dim % self.sequence.num_heads:
+                raise ValueError(
+                    f"train.sequence.hidden_dim={self.sequence.hidden_dim} is not divisible "
+                    f"by train.sequence.num_heads={self.sequence.num_heads}; change one"
+                )
+            if self.precision == "fp16" or self.offload_optimizer:
+                raise ValueError(
+                    f"train.model={self.model} trains in fp32 or bf16 without offload; set "
+                    "precision: fp32 or bf16 and offload_optimizer: false"
+                )
+        elif self.pipeline_stages != 1:
+            raise ValueError(
+                f"train.pipeline_stages={self.pipeline_stages} applies to the sequence models "
+                f"{list(SEQUENCE_MODELS)} only; set train.model or pipeline_stages: 1"
+            )
         if any(size < 1 for size in self.bottom_mlp):
             raise ValueError(f"train.bottom_mlp: layer sizes must be >= 1, got {self.bottom_mlp}")
         if any(size < 1 for size in self.top_mlp):
@@ -173,6 +284,11 @@ class TrainConfig(BaseModel):
         """Streams the train split is read as: `data_streams`, or `world_size` if unset."""
         return self.world_size if self.data_streams is None else self.data_streams
 
+    def data_parallel_size(self, world_size: int | None = None) -> int:
+        """Data-parallel replicas: world_size / pipeline_stages (1 stage: every rank)."""
+        ranks = self.world_size if world_size is None else world_size
+        return ranks // self.pipeline_stages
+
     def global_batch_size(self, world_size: int | None = None) -> int:
         """Samples per optimizer step over all ranks.
 
@@ -193,6 +309,35 @@ class EvaluateConfig(BaseModel):
 
     batch_size: int = Field(8192, ge=1, description="Rows scored per forward pass.")
     split: Literal["test", "valid"] = Field("test", description="Split to evaluate on.")
+    ks: list[int] = Field(
+        default_factory=lambda: [10],
+        min_length=1,
+        description="Sequence models: cutoffs K of HR@K and NDCG@K.",
+    )
+    num_negatives: int = Field(
+        100,
+        ge=1,
+        description="Sequence models: negatives sampled per user from the items it has not "
+        "interacted with (protocol (a), the SASRec paper's 100).",
+    )
+    negatives_seed: int = Field(
+        0, ge=0, description="Sequence models: seed of the sampled negatives."
+    )
+    full_ranking: bool = Field(
+        True, description="Sequence models: also rank the target against every item (b)."
+    )
+    ranking_block_users: int = Field(
+        512,
+        ge=1,
+        description="Sequence models: users scored at once; full ranking holds "
+        "block x num_items scores.",
+    )
+
+    @model_validator(mode="after")
+    def _check_ks(self) -> EvaluateConfig:
+        if any(k < 1 for k in self.ks):
+            raise ValueError(f"evaluate.ks: cutoffs must be >= 1, got {self.ks}")
+        return self
 
 
 class ExportConfig(BaseModel):

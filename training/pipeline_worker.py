@@ -5,13 +5,18 @@ Run under the DeepSpeed launcher (`python -m deepspeed.launcher.runner --num_gpu
 `PipelineSpec`) and, when `sequences` is set, a `data_prep.sequences` train.parquet.
 Writes, on rank 0:
 
-- `out`: JSON `{"losses": [...], "world_size", "num_stages", "parts", "seconds"}`, one
-  loss per optimizer step (the mean over its micro batches, which DeepSpeed's pipeline
-  engine broadcasts from the last stage to every rank);
+- `out`: JSON `{"losses": [...], "final_loss", "steps", "samples", "samples_per_s",
+  "world_size", "num_stages", "parts", "seconds", "peak_rss_mb_rank0"}`, one loss per
+  optimizer step (the mean over its micro batches, which DeepSpeed's pipeline engine
+  broadcasts from the last stage to every rank);
+- `train_log` (when set): one progress record per `log_every` steps, also printed as
+  `RECFORGE_PROGRESS {...}` lines for the parent (`training.train`) to stream;
 
-and, when `weights_dir` is set, on the first data-parallel replica of every stage:
-`stage-SS.safetensors`, that stage's `PipelineModule.state_dict()` (merge the files
-and pass them to `sequence_model.pipeline_state_to_sasrec` for one `SASRec`).
+when `checkpoint_dir` is set, DeepSpeed's pipeline checkpoint `checkpoint_dir/final/`
+(one `layer_NN-model_states.pt` per layer, written by each stage's first data-parallel
+rank, plus the optimizer states), and when `weights_file` is also set, that checkpoint
+consolidated into one fp32 `SASRec` state dict (safetensors), by rank 0 after every
+stage has written its layers.
 
 Reproducibility: every layer is built from its own seed (`seed_layers`: layer i is
 seeded with `layer_base_seed(spec.seed) + i`), so the weights do not depend on how the layers are
@@ -27,6 +32,7 @@ The only environment this process reads is what the launcher sets for
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 from collections.abc import Iterator
@@ -44,15 +50,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import save_file
 
 from data_prep.errors import ConfigError
+from training.config import check_pipeline_config
 from training.sequence_model import (
     LOSSES,
+    SASRec,
     build_pipeline_layers,
-    check_pipeline_config,
     next_item_batch,
     pipeline_batch,
+    pipeline_state_to_sasrec,
     sample_negatives,
 )
-from training.worker import rank_main
+from training.train import PROGRESS_PREFIX
+from training.worker import rank_main, rss_bytes
+
+CHECKPOINT_TAG = "final"
 
 
 class PipelineSpec(BaseModel):
@@ -81,7 +92,17 @@ class PipelineSpec(BaseModel):
         default=None, description="A train.parquet of data_prep.sequences; None: synthetic."
     )
     out: Path = Field(description="Where rank 0 writes the per-step losses (JSON).")
-    weights_dir: Path | None = Field(default=None, description="Per-stage weights, if set.")
+    log_every: int = Field(default=20, ge=1, description="Steps between progress records.")
+    train_log: Path | None = Field(
+        default=None, description="Progress records (JSON lines); None: no progress output."
+    )
+    checkpoint_dir: Path | None = Field(
+        default=None, description="DeepSpeed pipeline checkpoint root; None: no checkpoint."
+    )
+    weights_file: Path | None = Field(
+        default=None,
+        description="Consolidated fp32 SASRec weights (safetensors); needs checkpoint_dir.",
+    )
 
 
 def synthetic_sequences(
@@ -230,31 +251,114 @@ def run(spec: PipelineSpec) -> None:
         model_parameters=[p for p in module.parameters() if p.requires_grad],
         config=deepspeed_config(spec, world_size // spec.num_stages),
     )
-    data = micro_batches(
-        spec, engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+    replica, replicas = (
+        engine.grid.get_data_parallel_rank(),
+        engine.grid.get_data_parallel_world_size(),
     )
+    data = micro_batches(spec, replica, replicas)
+    # Sequences per step over all replicas; an epoch is one pass over the train rows.
+    samples_per_step = spec.micro_batch_size * spec.gradient_accumulation_steps * replicas
+    rows = pq.ParquetFile(spec.sequences).metadata.num_rows if spec.sequences else None
+    log_file = spec.train_log.open("a") if spec.train_log is not None and rank == 0 else None
     losses: list[float] = []
-    started = time.monotonic()
-    for _ in range(spec.steps):
-        # The last stage computes the loss; the engine broadcasts it to every stage.
-        losses.append(float(engine.train_batch(data_iter=data)))
+    started = window_started = time.monotonic()
+    try:
+        for step in range(1, spec.steps + 1):
+            # The last stage computes the loss; the engine broadcasts it to every stage.
+            losses.append(float(engine.train_batch(data_iter=data)))
+            if spec.train_log is None or (step % spec.log_every and step != spec.steps):
+                continue
+            # Every rank reaches this collective at the same step.
+            memory = torch.zeros(world_size, dtype=torch.float64)
+            memory[rank] = rss_bytes() / 2**20
+            dist.all_reduce(memory)
+            now = time.monotonic()
+            window = step - (step - 1) // spec.log_every * spec.log_every
+            record = {
+                "step": step,
+                "total_steps": spec.steps,
+                "loss": sum(losses[-window:]) / window,
+                "samples_per_s": window * samples_per_step / max(now - window_started, 1e-9),
+                "epoch": step * samples_per_step / rows if rows else None,
+                "step_ms": {"step": 1000.0 * (now - window_started) / window},
+                "rss_mb": [round(float(m), 1) for m in memory],
+            }
+            window_started = now
+            if log_file is not None:
+                print(PROGRESS_PREFIX + json.dumps(record), flush=True)
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+    finally:
+        if log_file is not None:
+            log_file.close()
     seconds = time.monotonic() - started
 
-    if spec.weights_dir is not None and engine.grid.get_data_parallel_rank() == 0:
-        spec.weights_dir.mkdir(parents=True, exist_ok=True)
-        state = {name: t.detach().float().contiguous() for name, t in module.state_dict().items()}
-        save_file(state, str(spec.weights_dir / f"stage-{engine.stage_id:02d}.safetensors"))
+    if spec.checkpoint_dir is not None:
+        # Every rank calls it: each stage's first replica writes its layers, every rank
+        # its optimizer state.
+        engine.save_checkpoint(
+            str(spec.checkpoint_dir),
+            tag=CHECKPOINT_TAG,
+            client_state={"spec": spec.model_dump(mode="json")},
+        )
+    dist.barrier()  # every stage's layer files are on disk
     if rank == 0:
+        if spec.checkpoint_dir is not None and spec.weights_file is not None:
+            state = consolidate_pipeline_checkpoint(spec.checkpoint_dir / CHECKPOINT_TAG)
+            # Refuse a consolidation that does not rebuild the model exactly.
+            SASRec(
+                spec.num_items,
+                spec.max_length,
+                spec.hidden_dim,
+                spec.num_blocks,
+                spec.num_heads,
+                spec.dropout,
+            ).load_state_dict(state, strict=True)
+            spec.weights_file.parent.mkdir(parents=True, exist_ok=True)
+            save_file(state, str(spec.weights_file))
+        window = min(len(losses), spec.log_every)
         record = {
             "losses": losses,
+            "final_loss": sum(losses[-window:]) / window,
+            "steps": spec.steps,
+            "samples": spec.steps * samples_per_step,
+            "samples_per_s": spec.steps * samples_per_step / max(seconds, 1e-9),
             "world_size": world_size,
             "num_stages": spec.num_stages,
             "parts": [int(part) for part in module.parts],
             "seconds": seconds,
+            "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         spec.out.parent.mkdir(parents=True, exist_ok=True)
         spec.out.write_text(json.dumps(record, indent=2) + "\n")
-    dist.barrier()  # rank 0's and every stage's files are written before any rank exits
+    dist.barrier()  # rank 0's files are written before any rank exits
+
+
+def consolidate_pipeline_checkpoint(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """One fp32 SASRec state dict from a DeepSpeed pipeline checkpoint's layer files.
+
+    Each stage wrote `layer_NN-model_states.pt` for its layers (the tied item table as
+    layer 00, on the first stage; the scoring layer shares it and has no file). The
+    files are read one at a time, so only the model itself is held in memory.
+
+    Args:
+        tag_dir: The checkpoint tag directory, e.g. `checkpoints/final`.
+
+    Returns:
+        `SASRec` parameter names -> fp32 tensors.
+
+    Raises:
+        ValueError: No layer files, or layers missing (see `pipeline_state_to_sasrec`).
+    """
+    files = sorted(tag_dir.glob("layer_*-model_states.pt"))
+    if not files:
+        raise ValueError(f"{tag_dir} holds no layer_*-model_states.pt: not a pipeline checkpoint")
+    merged: dict[str, torch.Tensor] = {}
+    for path in files:
+        index = int(path.name.split("-")[0].removeprefix("layer_"))
+        for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+            merged[f"{index}.{name}"] = tensor.float().contiguous()
+    return pipeline_state_to_sasrec(merged)
 
 
 def load_spec(path: Path) -> PipelineSpec:

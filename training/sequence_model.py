@@ -572,34 +572,3 @@ def pipeline_state_to_sasrec(state: Mapping[str, torch.Tensor]) -> dict[str, tor
                 raise ValueError(f"layer {index}: {name!r} is not a transformer block name")
             result[target] = tensor
     return result
-
-
-def check_pipeline_config(world_size: int, num_stages: int, zero_stage: int) -> None:
-    """Refuse a pipeline layout DeepSpeed cannot run.
-
-    Args:
-        world_size: Ranks launched.
-        num_stages: Pipeline stages; world_size / num_stages is the data-parallel degree.
-        zero_stage: ZeRO stage of the DeepSpeed config.
-
-    Raises:
-        ConfigError: num_stages < 1, num_stages does not divide world_size, or ZeRO
-            stage 2/3 (DeepSpeed's pipeline engine supports ZeRO 0 and 1 only).
-    """
-    if num_stages < 1 or world_size < 1:
-        raise ConfigError(
-            f"train.pipeline_stages={num_stages}, train.world_size={world_size}: both must "
-            "be at least 1"
-        )
-    if world_size % num_stages:
-        raise ConfigError(
-            f"train.pipeline_stages={num_stages} does not divide train.world_size="
-            f"{world_size}: every data-parallel replica needs all stages; choose a "
-            "world_size that is a multiple of pipeline_stages"
-        )
-    if zero_stage not in (0, 1):
-        raise ConfigError(
-            f"train.zero_stage={zero_stage} with train.pipeline_stages={num_stages}: "
-            "DeepSpeed pipeline parallelism supports ZeRO stage 0 or 1 only; set "
-            "zero_stage to 0 or 1"
-        )

@@ -1,3 +1,4 @@
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -57,10 +58,16 @@ def test_histories_are_time_ordered_and_never_hold_later_splits(tmp_path, partit
     }
     assert train == {1: [11, 12, 13], 2: [20]}  # last max_length + 1 train items
     valid = pq.read_table(tmp_path / "seq" / "valid.parquet").to_pylist()
-    assert valid == [{"user": 1, "history": [12, 13], "target": 14, "ts": 110}]
+    assert valid == [
+        {"user": 1, "history": [12, 13], "target": 14, "ts": 110, "seen": [10, 11, 12, 13, 14]}
+    ]
     test = {r["user"]: r for r in pq.read_table(tmp_path / "seq" / "test.parquet").to_pylist()}
     assert test[1]["history"] == [13, 14] and test[1]["target"] == 15
     assert test[2]["history"] == [20] and test[2]["target"] == 21
+    # seen is untruncated and includes the split's own events
+    assert test[1]["seen"] == [10, 11, 12, 13, 14, 15] and test[2]["seen"] == [20, 21]
+    counts = np.load(tmp_path / "seq" / "train_item_counts.npy")
+    assert counts.tolist() == [0] * 10 + [1, 1, 1, 1] + [0] * 6 + [1]  # train items only
 
 
 def test_a_train_event_after_a_test_event_is_a_leak(tmp_path):

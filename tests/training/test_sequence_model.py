@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file
 
 from data_prep.errors import ConfigError
+from training.config import check_pipeline_config
 from training.pipeline_worker import PipelineSpec, load_spec, micro_batches
 from training.sequence_model import (
     SASRec,
     bce_loss,
     build_pipeline_layers,
     candidates_of,
-    check_pipeline_config,
     next_item_batch,
     pipeline_state_to_sasrec,
     sample_negatives,
@@ -312,7 +312,16 @@ def launch(spec: dict, world_size: int, tmp_path: Path, name: str) -> dict:
     out = tmp_path / f"{name}.json"
     spec_path = tmp_path / f"{name}-spec.json"
     spec_path.write_text(
-        json.dumps({**spec, "out": str(out), "weights_dir": str(tmp_path / f"{name}-weights")})
+        json.dumps(
+            {
+                **spec,
+                "out": str(out),
+                "checkpoint_dir": str(tmp_path / f"{name}-checkpoints"),
+                "weights_file": str(tmp_path / f"{name}.safetensors"),
+                "train_log": str(tmp_path / f"{name}-log.jsonl"),
+                "log_every": 5,
+            }
+        )
     )
     paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
     env = {
@@ -341,10 +350,11 @@ def launch(spec: dict, world_size: int, tmp_path: Path, name: str) -> dict:
 
 
 def consolidated(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted((tmp_path / f"{name}-weights").glob("stage-*.safetensors")):
-        state.update(load_file(path))
-    return pipeline_state_to_sasrec(state)
+    """The weights rank 0 consolidated from the stages' DeepSpeed layer checkpoints."""
+    layers = sorted(p.name for p in (tmp_path / f"{name}-checkpoints" / "final").glob("layer_*"))
+    # Layers 0 (the tied table) .. 4 (final norm); the scoring layer 5 shares layer 0.
+    assert layers == [f"layer_{i:02d}-model_states.pt" for i in range(5)]
+    return load_file(tmp_path / f"{name}.safetensors")
 
 
 @pytest.mark.slow
@@ -358,6 +368,11 @@ def test_one_stage_and_two_stages_train_the_same_model(tmp_path: Path) -> None:
     )
     assert one["parts"] == [0, 6] and two["parts"] == balanced["parts"] == [0, 3, 6]
     assert len(one["losses"]) == 20
+    assert one["steps"] == 20 and one["samples_per_s"] > 0
+    progress = [json.loads(line) for line in (tmp_path / "two-log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in progress] == [5, 10, 15, 20]
+    assert progress[-1]["loss"] == pytest.approx(sum(two["losses"][-5:]) / 5)
+    assert len(progress[-1]["rss_mb"]) == 2 and min(progress[-1]["rss_mb"]) > 0
     for run in (two, balanced):
         for step, (a, b) in enumerate(zip(one["losses"], run["losses"], strict=True)):
             assert b == pytest.approx(a, rel=1e-4), f"step {step}: {a} vs {b}"
