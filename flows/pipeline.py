@@ -100,13 +100,22 @@ def pipeline(params: RunParams) -> str:
             shard_task(config.shard, outputs["preprocess"], root, modes["shard"], return_state=True)
         )
         outputs["train"] = _result(
-            train_task(config.train, outputs["shard"], root, modes["train"], return_state=True)
+            train_task(
+                config.train,
+                outputs["shard"],
+                outputs["preprocess"],
+                root,
+                modes["train"],
+                return_state=True,
+            )
         )
         outputs["evaluate"] = _result(
             evaluate_task(
                 config.evaluate,
+                config.train.model,
                 outputs["train"],
                 outputs["shard"],
+                outputs["preprocess"],
                 root,
                 modes["evaluate"],
                 return_state=True,
@@ -115,6 +124,8 @@ def pipeline(params: RunParams) -> str:
         outputs["export"] = _result(
             export_task(
                 config.export,
+                config.train.model,
+                config.schema_.item_key,
                 outputs["train"],
                 outputs["preprocess"],
                 outputs["shard"],

@@ -7,21 +7,46 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
-from training.config import EvaluateConfig
+from training.config import SEQUENCE_MODELS, EvaluateConfig
 from training.evaluate import evaluate_model
+from training.sequence_evaluate import evaluate_sequence_model
 
-MODULES = ["training/evaluate.py", "training/metrics.py", "training/model.py"]
+MODULES = [
+    "training/evaluate.py",
+    "training/metrics.py",
+    "training/model.py",
+    "training/ranking.py",
+    "training/sequence_evaluate.py",
+    "training/sequence_export.py",
+    "training/sequence_model.py",
+]
 
 
 @task(name="evaluate", **task_options())
 def evaluate_task(
-    config: EvaluateConfig, train: StageOutput, shard: StageOutput, root: str, mode: Mode
+    config: EvaluateConfig,
+    model: str,
+    train: StageOutput,
+    shard: StageOutput,
+    preprocess: StageOutput,
+    root: str,
+    mode: Mode,
 ) -> StageOutput:
-    """Score the test split and write metrics.json."""
-    fp = stage_fingerprint("evaluate", config.model_dump(), [train, shard], MODULES)
+    """Score the test split and write metrics.json.
+
+    CTR models: AUC and logloss over the shards. Sequence models (`model` in
+    SEQUENCE_MODELS): leave-one-out ranking of preprocess's sequences, with the
+    popularity baseline.
+    """
+    upstream = [train, shard, preprocess]
+    fp = stage_fingerprint("evaluate", config.model_dump(), upstream, MODULES)
 
     def produce(out_dir: Path) -> dict:
-        result = evaluate_model(config, Path(train.output), Path(shard.output), out_dir)
+        if model in SEQUENCE_MODELS:
+            sequences = Path(preprocess.output) / "sequences"
+            result = evaluate_sequence_model(config, Path(train.output), sequences, out_dir)
+        else:
+            result = evaluate_model(config, Path(train.output), Path(shard.output), out_dir)
         return {"metrics": json.loads(result.metrics_path.read_text())}
 
     output = run_stage("evaluate", fp, mode, root, produce)

@@ -7,15 +7,23 @@ from prefect.artifacts import create_markdown_artifact
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.store import ArtifactStore
-from training.config import ExportConfig
+from training.config import SEQUENCE_MODELS, ExportConfig
 from training.export import export_model
+from training.sequence_export import export_sequence_model
 
-MODULES = ["training/export.py", "training/model.py"]
+MODULES = [
+    "training/export.py",
+    "training/model.py",
+    "training/sequence_export.py",
+    "training/sequence_model.py",
+]
 
 
 @task(name="export", **task_options())
 def export_task(
     config: ExportConfig,
+    model: str,
+    item_field: str | None,
     train: StageOutput,
     preprocess: StageOutput,
     shard: StageOutput,
@@ -23,11 +31,34 @@ def export_task(
     root: str,
     mode: Mode,
 ) -> StageOutput:
-    """Package the trained model (weights, ONNX, TorchScript, transform, card); register it."""
+    """Package the trained model (weights, ONNX, TorchScript, transform, card); register it.
+
+    Sequence models (`model` in SEQUENCE_MODELS) export a top-K recommender: history ->
+    the `config.top_k` best item indices and scores (`item_field` names the item ids).
+    """
     upstream = [train, preprocess, shard, evaluate]
-    fp = stage_fingerprint("export", config.model_dump(), upstream, MODULES)
+    section = {**config.model_dump(), "model": model, "item_field": item_field}
+    fp = stage_fingerprint("export", section, upstream, MODULES)
 
     def produce(out_dir: Path) -> dict:
+        if model in SEQUENCE_MODELS:
+            exported = export_sequence_model(
+                config,
+                Path(train.output),
+                Path(preprocess.output) / "transform.json",
+                Path(preprocess.output) / "sequences",
+                item_field,
+                Path(evaluate.output) / "metrics.json",
+                out_dir,
+                k=config.top_k,
+            )
+            return {
+                "parity_rows": exported.parity_rows,
+                "top_k_match_onnx": exported.top_k_match_onnx,
+                "top_k_match_torchscript": exported.top_k_match_torchscript,
+                "parity_max_abs_diff_onnx": exported.parity_max_abs_diff_onnx,
+                "parity_max_abs_diff_torchscript": exported.parity_max_abs_diff_torchscript,
+            }
         result = export_model(
             config,
             Path(train.output),

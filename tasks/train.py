@@ -14,9 +14,10 @@ from prefect.artifacts import (
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.progress import terminal_progress
-from training.config import TrainConfig
+from training.config import SEQUENCE_MODELS, TrainConfig
 from training.memory import machine_memory_bytes
-from training.train import PHASES, train_model
+from training.sequence_train import train_sequence_model
+from training.train import train_model
 
 MODULES = [
     "training/config.py",
@@ -27,6 +28,9 @@ MODULES = [
     "training/reader.py",
     "training/train.py",
     "training/worker.py",
+    "training/pipeline_worker.py",
+    "training/sequence_model.py",
+    "training/sequence_train.py",
 ]
 # Share of the machine's memory the ranks may plan for; the rest is the OS, Prefect
 # and the page cache the reader lives on.
@@ -54,9 +58,14 @@ def free_port() -> int:
 
 # A crashed or killed rank is transient: retry after 10 s, 20 s.
 @task(name="train", **task_options(backoff_seconds=10.0, retries=2))
-def train_task(config: TrainConfig, shard: StageOutput, root: str, mode: Mode) -> StageOutput:
-    """Train the model with DeepSpeed on `config.world_size` ranks."""
-    fp = stage_fingerprint("train", config.model_dump(), [shard], MODULES)
+def train_task(
+    config: TrainConfig, shard: StageOutput, preprocess: StageOutput, root: str, mode: Mode
+) -> StageOutput:
+    """Train the model with DeepSpeed on `config.world_size` ranks.
+
+    CTR models read the shards; sequence models (SASRec) preprocess's sequences/.
+    """
+    fp = stage_fingerprint("train", config.model_dump(), [shard, preprocess], MODULES)
     logger = get_run_logger()
 
     def produce(out_dir: Path) -> dict:
@@ -74,9 +83,13 @@ def train_task(config: TrainConfig, shard: StageOutput, root: str, mode: Mode) -
                 )
 
             accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-            result = train_model(
+            if config.model in SEQUENCE_MODELS:
+                train_fn, data_dir = train_sequence_model, Path(preprocess.output) / "sequences"
+            else:
+                train_fn, data_dir = train_model, Path(shard.output)
+            result = train_fn(
                 config,
-                Path(shard.output),
+                data_dir,
                 out_dir,
                 accelerator=accelerator,
                 master_port=free_port(),
@@ -86,18 +99,20 @@ def train_task(config: TrainConfig, shard: StageOutput, root: str, mode: Mode) -
                 memory_budget=memory_budget(config, accelerator),
             )
         update_progress_artifact(progress_id, progress=100.0)
+        # CTR runs split a step into data/lookup/dense/optimizer; pipelines report "step".
+        phases = list(history[0]["step_ms"]) if history else []
         rows = "\n".join(
             f"| {r['step']} | {r['loss']:.5f} | {r['samples_per_s']:.0f} | "
-            + " | ".join(f"{r['step_ms'][phase]:.1f}" for phase in PHASES)
+            + " | ".join(f"{r['step_ms'][phase]:.1f}" for phase in phases)
             + f" | {' / '.join(f'{m:.0f}' for m in r['rss_mb'])} |"
             for r in history
         )
         create_markdown_artifact(
             key="train-loss",
             markdown="| step | loss | samples/s | "
-            + " | ".join(f"{phase} ms" for phase in PHASES)
+            + " | ".join(f"{phase} ms" for phase in phases)
             + " | RSS MB per rank |\n|"
-            + "---|" * (4 + len(PHASES))
+            + "---|" * (4 + len(phases))
             + "\n"
             + rows,
             description="Training loss, throughput, step time split and memory by step",

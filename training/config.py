@@ -353,3 +353,6 @@ class ExportConfig(BaseModel):
         1e-5, gt=0, description="Largest allowed absolute score difference in the parity check."
     )
     opset: int = Field(17, ge=9, description="ONNX opset version.")
+    top_k: int = Field(
+        10, ge=1, description="Sequence models: items the exported recommender returns."
+    )

@@ -259,20 +259,52 @@ def train_model(
     spec_path = out_dir / LAUNCH_FILE
     _write_json(spec_path, spec)
 
-    command = [
+    command = launcher_command(python, config.world_size, master_port, "training.worker", spec_path)
+    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress)
+    return TrainResult(
+        out_dir=out_dir,
+        final_loss=float(summary["final_loss"]),
+        steps=int(summary["steps"]),
+        samples_per_s=float(summary["samples_per_s"]),
+        seconds=time.monotonic() - started,
+        step_ms=dict(summary.get("step_ms", {})),
+        memory_plan=memory_plan,
+    )
+
+
+def launcher_command(
+    python: str, world_size: int, master_port: int, module: str, spec_path: Path
+) -> list[str]:
+    """The DeepSpeed launcher command that runs `module` on `world_size` local ranks."""
+    return [
         python,
         "-m",
         "deepspeed.launcher.runner",
         "--num_gpus",
-        str(config.world_size),
+        str(world_size),
         "--master_port",
         str(master_port),
         "--module",
-        "training.worker",
+        module,
         str(spec_path),
     ]
+
+
+def launch_ranks(
+    command: list[str],
+    env: dict[str, str],
+    out_dir: Path,
+    on_log: Callable[[str], None] | None,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+) -> dict[str, Any]:
+    """Run the launcher, streaming its output, and return the ranks' train summary.
+
+    Raises:
+        TrainingCrashed: The launcher or a rank exited non-zero (with the ranks' error
+            reports and the last lines), or it exited 0 without the summary and weights.
+    """
     returncode, tail, rank_errors = _run_launcher(
-        command, launch_env, out_dir / LAUNCHER_LOG_FILE, on_log, on_progress
+        command, env, out_dir / LAUNCHER_LOG_FILE, on_log, on_progress
     )
     if returncode != 0:
         errors = "".join(
@@ -289,16 +321,7 @@ def train_model(
             f"the launcher exited 0 but {summary_path} or {out_dir / WEIGHTS_FILE} is "
             "missing; last lines:\n" + "\n".join(tail)
         )
-    summary = json.loads(summary_path.read_text())
-    return TrainResult(
-        out_dir=out_dir,
-        final_loss=float(summary["final_loss"]),
-        steps=int(summary["steps"]),
-        samples_per_s=float(summary["samples_per_s"]),
-        seconds=time.monotonic() - started,
-        step_ms=dict(summary.get("step_ms", {})),
-        memory_plan=memory_plan,
-    )
+    return json.loads(summary_path.read_text())
 
 
 def _plan_memory(
