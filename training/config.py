@@ -48,10 +48,11 @@ class SequenceModelConfig(BaseModel):
         default_factory=lambda: [64, 32],
         description="BST only: hidden sizes of the MLP over the target's hidden state.",
     )
-    partition_method: Literal["uniform", "parameters"] = Field(
-        "parameters",
-        description="How DeepSpeed assigns layers to pipeline stages: 'uniform' (layer "
-        "count) or 'parameters' (parameter count).",
+    partition_method: Literal["blocks", "uniform", "parameters"] = Field(
+        "blocks",
+        description="How DeepSpeed assigns layers to pipeline stages: 'blocks' (the same "
+        "number of Transformer blocks per stage), 'uniform' (layer count) or 'parameters' "
+        "(parameter count; the item table then outweighs every block).",
     )
 
 

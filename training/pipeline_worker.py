@@ -80,7 +80,10 @@ class PipelineSpec(BaseModel):
     loss: Literal["bce", "sampled_softmax"] = "bce"
     num_negatives: int = Field(default=1, ge=1, description="Negatives per position.")
     num_stages: int = Field(ge=1, description="Pipeline stages; must divide the world size.")
-    partition_method: Literal["uniform", "parameters"] = "uniform"
+    partition_method: Literal["blocks", "uniform", "parameters"] = "uniform"
+    intra_op_threads: int | None = Field(
+        default=None, ge=1, description="torch threads per rank; None: torch's default."
+    )
     micro_batch_size: int = Field(ge=1)
     gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro batches/step.")
     steps: int = Field(ge=1, description="Optimizer steps (engine.train_batch calls).")
@@ -220,6 +223,10 @@ def run(spec: PipelineSpec) -> None:
     Raises:
         ConfigError: The stage count or ZeRO stage does not fit the launched ranks.
     """
+    if spec.intra_op_threads is not None:
+        # Ranks sharing a machine's cores: torch's default (every core per rank)
+        # oversubscribes them.
+        torch.set_num_threads(spec.intra_op_threads)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_pipeline_config(world_size, spec.num_stages, spec.zero_stage)
@@ -241,7 +248,12 @@ def run(spec: PipelineSpec) -> None:
         layers=layers,
         num_stages=spec.num_stages,
         loss_fn=LOSSES[spec.loss],
-        partition_method=spec.partition_method,
+        # DeepSpeed's "type:" method balances the layers whose class name matches.
+        partition_method=(
+            "type:TransformerBlockPipe"
+            if spec.partition_method == "blocks"
+            else spec.partition_method
+        ),
         seed_layers=True,
         seed_fn=seed_layer,
         base_seed=layer_base_seed(spec.seed),

@@ -138,7 +138,8 @@ class CausalSelfAttention(nn.Module):
         # (B, H, L, D/H)
         q, k, v = (t.view(batch, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()  # (L, L)
-        eye = torch.eye(length, dtype=torch.bool, device=x.device)
+        # A float identity compared to 0: onnxruntime has no EyeLike kernel for bool.
+        eye = torch.eye(length, device=x.device) > 0
         allowed = causal & (valid.unsqueeze(1) | eye)  # (B, L, L): query i, key j
         attended = F.scaled_dot_product_attention(
             q,

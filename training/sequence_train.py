@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -273,6 +274,10 @@ def train_sequence_model(
         "num_negatives": config.sequence.num_negatives,
         "num_stages": config.pipeline_stages,
         "partition_method": config.sequence.partition_method,
+        # CPU ranks share this machine's cores; on GPUs torch's default is right.
+        "intra_op_threads": (
+            max(1, (os.cpu_count() or 1) // config.world_size) if accelerator == "cpu" else None
+        ),
         "micro_batch_size": config.batch_size,
         "gradient_accumulation_steps": config.grad_accum_steps,
         "steps": total_steps,
