@@ -12,6 +12,7 @@ from training.evaluate import evaluate_model
 from training.sequence_evaluate import evaluate_sequence_model
 
 MODULES = [
+    "training/bst.py",
     "training/evaluate.py",
     "training/metrics.py",
     "training/model.py",

@@ -7,11 +7,14 @@ from prefect.artifacts import create_markdown_artifact
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.store import ArtifactStore
+from training.bst_export import export_bst_model
 from training.config import SEQUENCE_MODELS, ExportConfig
 from training.export import export_model
 from training.sequence_export import export_sequence_model
 
 MODULES = [
+    "training/bst.py",
+    "training/bst_export.py",
     "training/export.py",
     "training/model.py",
     "training/sequence_export.py",
@@ -41,6 +44,21 @@ def export_task(
     fp = stage_fingerprint("export", section, upstream, MODULES)
 
     def produce(out_dir: Path) -> dict:
+        if model == "bst":
+            bst = export_bst_model(
+                config,
+                Path(train.output),
+                Path(preprocess.output) / "transform.json",
+                Path(preprocess.output) / "sequences",
+                item_field,
+                Path(evaluate.output) / "metrics.json",
+                out_dir,
+            )
+            return {
+                "parity_rows": bst.parity_rows,
+                "parity_max_abs_diff_onnx": bst.parity_max_abs_diff_onnx,
+                "parity_max_abs_diff_torchscript": bst.parity_max_abs_diff_torchscript,
+            }
         if model in SEQUENCE_MODELS:
             exported = export_sequence_model(
                 config,

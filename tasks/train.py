@@ -20,6 +20,7 @@ from training.sequence_train import train_sequence_model
 from training.train import train_model
 
 MODULES = [
+    "training/bst.py",
     "training/config.py",
     "training/data.py",
     "training/embedding.py",

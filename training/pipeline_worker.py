@@ -35,7 +35,7 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +50,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import save_file
 
 from data_prep.errors import ConfigError
+from training.bst import (
+    BST,
+    bst_batch,
+    bst_loss,
+    bst_pipeline_batch,
+    bst_pipeline_state_to_model,
+    build_bst_pipeline_layers,
+)
 from training.config import check_pipeline_config
 from training.sequence_model import (
     LOSSES,
@@ -71,13 +79,21 @@ class PipelineSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    model: Literal["sasrec", "bst"] = Field(
+        default="sasrec",
+        description="sasrec: next-item at every position; bst: one (history, target, label) "
+        "CTR sample per sequence and num_negatives sampled negative targets.",
+    )
     num_items: int = Field(ge=2, description="V, including the padding item 0.")
     max_length: int = Field(ge=1, description="Input sequence length L.")
     hidden_dim: int = Field(ge=1)
     num_blocks: int = Field(ge=1)
     num_heads: int = Field(ge=1)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    loss: Literal["bce", "sampled_softmax"] = "bce"
+    loss: Literal["bce", "sampled_softmax"] = Field(
+        default="bce", description="SASRec's loss (BST always uses BCE on its labels)."
+    )
+    mlp: list[int] = Field(default=[64, 32], description="BST: hidden sizes of the head MLP.")
     num_negatives: int = Field(default=1, ge=1, description="Negatives per position.")
     num_stages: int = Field(ge=1, description="Pipeline stages; must divide the world size.")
     partition_method: Literal["blocks", "uniform", "parameters"] = "uniform"
@@ -130,7 +146,11 @@ def synthetic_sequences(
 
 
 def parquet_sequences(
-    path: Path, replica: int, replicas: int, generator: np.random.Generator
+    path: Path,
+    replica: int,
+    replicas: int,
+    generator: np.random.Generator,
+    min_items: int = 1,
 ) -> Iterator[list[int]]:
     """Endless train histories of one data-parallel replica, reshuffled every epoch.
 
@@ -139,12 +159,17 @@ def parquet_sequences(
         replica: This replica's index (rows replica, replica + replicas, ...).
         replicas: Data-parallel degree.
         generator: The shuffling source.
+        min_items: Shorter histories are left out (BST needs a history and a target).
 
     Raises:
         ConfigError: The file has no `history` column or too few rows for the replicas.
     """
     table = pq.read_table(path, columns=["history"])
-    histories = table.column("history").to_pylist()[replica::replicas]
+    histories = [
+        items
+        for items in table.column("history").to_pylist()[replica::replicas]
+        if len(items) >= min_items
+    ]
     if not histories:
         raise ConfigError(
             f"sequences={path}: {table.num_rows} rows cannot feed {replicas} data-parallel "
@@ -158,7 +183,11 @@ def parquet_sequences(
 def micro_batches(
     spec: PipelineSpec, replica: int = 0, replicas: int = 1
 ) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    """Endless pipeline micro batches ((history, positives, negatives), positives).
+    """Endless pipeline micro batches.
+
+    SASRec: ((history, positives, negatives), positives). BST: ((history, target),
+    label) with micro_batch_size x (1 + num_negatives) rows: each sequence's positive
+    target, then its negatives.
 
     The stream depends on spec.seed and the replica only, so the first and the last
     stage of a pipeline (which both read it) see the same batches, whatever num_stages.
@@ -173,9 +202,16 @@ def micro_batches(
     if spec.sequences is None:
         source = synthetic_sequences(spec.num_items, spec.max_length, rng)
     else:
-        source = parquet_sequences(spec.sequences, replica, replicas, rng)
+        min_items = 2 if spec.model == "bst" else 1
+        source = parquet_sequences(spec.sequences, replica, replicas, rng, min_items)
     while True:
         rows = [next(source) for _ in range(spec.micro_batch_size)]
+        if spec.model == "bst":
+            samples = bst_batch(
+                rows, spec.max_length, spec.num_items, spec.num_negatives, negatives_rng
+            )  # history (B', L), target (B',), label (B',)
+            yield bst_pipeline_batch(*samples)
+            continue
         history, positives = next_item_batch(rows, spec.max_length)  # (B, L) each
         negatives = sample_negatives(
             positives, spec.num_items, spec.num_negatives, negatives_rng
@@ -231,14 +267,7 @@ def run(spec: PipelineSpec) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     check_pipeline_config(world_size, spec.num_stages, spec.zero_stage)
 
-    layers = build_pipeline_layers(
-        spec.num_items,
-        spec.max_length,
-        spec.hidden_dim,
-        spec.num_blocks,
-        spec.num_heads,
-        spec.dropout,
-    )
+    layers = build_layers(spec)
     # seed_layers: layer i is built right after seeding with base + i, on whichever
     # stage holds it, so the initial weights do not depend on num_stages. DeepSpeed
     # also reseeds before every layer's forward with base * micro_batch + i, which makes
@@ -247,7 +276,7 @@ def run(spec: PipelineSpec) -> None:
     module = PipelineModule(
         layers=layers,
         num_stages=spec.num_stages,
-        loss_fn=LOSSES[spec.loss],
+        loss_fn=bst_loss if spec.model == "bst" else LOSSES[spec.loss],
         # DeepSpeed's "type:" method balances the layers whose class name matches.
         partition_method=(
             "type:TransformerBlockPipe"
@@ -316,16 +345,12 @@ def run(spec: PipelineSpec) -> None:
     dist.barrier()  # every stage's layer files are on disk
     if rank == 0:
         if spec.checkpoint_dir is not None and spec.weights_file is not None:
-            state = consolidate_pipeline_checkpoint(spec.checkpoint_dir / CHECKPOINT_TAG)
+            to_model = bst_pipeline_state_to_model if spec.model == "bst" else None
+            state = consolidate_pipeline_checkpoint(
+                spec.checkpoint_dir / CHECKPOINT_TAG, to_model or pipeline_state_to_sasrec
+            )
             # Refuse a consolidation that does not rebuild the model exactly.
-            SASRec(
-                spec.num_items,
-                spec.max_length,
-                spec.hidden_dim,
-                spec.num_blocks,
-                spec.num_heads,
-                spec.dropout,
-            ).load_state_dict(state, strict=True)
+            build_model(spec).load_state_dict(state, strict=True)
             spec.weights_file.parent.mkdir(parents=True, exist_ok=True)
             save_file(state, str(spec.weights_file))
         window = min(len(losses), spec.log_every)
@@ -346,18 +371,53 @@ def run(spec: PipelineSpec) -> None:
     dist.barrier()  # rank 0's files are written before any rank exits
 
 
-def consolidate_pipeline_checkpoint(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """One fp32 SASRec state dict from a DeepSpeed pipeline checkpoint's layer files.
+def build_layers(spec: PipelineSpec) -> list:
+    """The spec's model as `deepspeed.pipe` layer specs."""
+    args = (
+        spec.num_items,
+        spec.max_length,
+        spec.hidden_dim,
+        spec.num_blocks,
+        spec.num_heads,
+        spec.dropout,
+    )
+    if spec.model == "bst":
+        return build_bst_pipeline_layers(*args, spec.mlp)
+    return build_pipeline_layers(*args)
+
+
+def build_model(spec: PipelineSpec) -> SASRec | BST:
+    """The spec's model as one module (what the consolidated weights load into)."""
+    args = (
+        spec.num_items,
+        spec.max_length,
+        spec.hidden_dim,
+        spec.num_blocks,
+        spec.num_heads,
+        spec.dropout,
+    )
+    return BST(*args, spec.mlp) if spec.model == "bst" else SASRec(*args)
+
+
+def consolidate_pipeline_checkpoint(
+    tag_dir: Path,
+    to_model: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = (
+        pipeline_state_to_sasrec
+    ),
+) -> dict[str, torch.Tensor]:
+    """One fp32 model state dict from a DeepSpeed pipeline checkpoint's layer files.
 
     Each stage wrote `layer_NN-model_states.pt` for its layers (the tied item table as
-    layer 00, on the first stage; the scoring layer shares it and has no file). The
-    files are read one at a time, so only the model itself is held in memory.
+    layer 00, on the first stage; a later layer that shares it has no file). The files
+    are read one at a time, so only the model itself is held in memory.
 
     Args:
         tag_dir: The checkpoint tag directory, e.g. `checkpoints/final`.
+        to_model: Maps `<layer>.<name>` keys to the model's names
+            (`pipeline_state_to_sasrec` or `bst.bst_pipeline_state_to_model`).
 
     Returns:
-        `SASRec` parameter names -> fp32 tensors.
+        Model parameter names -> fp32 tensors.
 
     Raises:
         ValueError: No layer files, or layers missing (see `pipeline_state_to_sasrec`).
@@ -370,7 +430,7 @@ def consolidate_pipeline_checkpoint(tag_dir: Path) -> dict[str, torch.Tensor]:
         index = int(path.name.split("-")[0].removeprefix("layer_"))
         for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
             merged[f"{index}.{name}"] = tensor.float().contiguous()
-    return pipeline_state_to_sasrec(merged)
+    return to_model(merged)
 
 
 def load_spec(path: Path) -> PipelineSpec:

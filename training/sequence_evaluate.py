@@ -15,9 +15,11 @@ Writes `<out_dir>/metrics.json`:
 - `split`, `num_users` (rows ranked), `dropped_oov_targets` (rows whose target item is
   out of vocabulary, index 0: no model can rank it, so they are not counted).
 
-The model scores in fp32: the user's state is the hidden state at the last position of
-its (left-padded) history, and an item's score its dot product with the tied item
-table. Ties are pessimistic (see `training.ranking`).
+The model scores in fp32. SASRec: the user's state is the hidden state at the last
+position of its (left-padded) history, and an item's score its dot product with the
+tied item table. BST: each candidate is appended to the history and scored by its own
+Transformer pass, so only protocol (a) runs (full ranking would take one pass per item
+and user). Ties are pessimistic (see `training.ranking`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import pyarrow.parquet as pq
 import torch
 
 from data_prep.errors import InputNotFoundError, SchemaError
+from training.bst import BST, score_candidates
 from training.config import EvaluateConfig
+from training.model import MODEL_CONFIG_FILE
 from training.ranking import ScoreFn, evaluate_ranking, popularity_scores
 from training.sequence_export import load_sequence_model, pad_histories
 from training.sequence_model import SASRec
@@ -97,6 +101,23 @@ def model_scores(states: np.ndarray, table: np.ndarray) -> ScoreFn:
     return score_fn
 
 
+def bst_scores(model: BST, histories: torch.Tensor) -> ScoreFn:
+    """score_fn of a BST: users are row indices into `histories` (U, L).
+
+    Returns:
+        score_fn(rows (b,), candidates (b, C)) -> (b, C) float32 logits.
+    """
+
+    def score_fn(rows: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            logits = score_candidates(
+                model, histories[torch.from_numpy(rows)], torch.from_numpy(candidates)
+            )  # (b, C)
+        return logits.float().numpy()
+
+    return score_fn
+
+
 def evaluate_sequence_model(
     config: EvaluateConfig, train_dir: Path, sequences_dir: Path, out_dir: Path
 ) -> SequenceEvaluateResult:
@@ -118,7 +139,11 @@ def evaluate_sequence_model(
         SchemaError: No row has an in-vocabulary target.
         TooFewNegativesError: A user has interacted with almost every item.
     """
-    model, model_config = load_sequence_model(train_dir)
+    config_path = Path(train_dir) / MODEL_CONFIG_FILE
+    if not config_path.is_file():
+        raise InputNotFoundError(f"{config_path} does not exist; run the train stage first")
+    kind = json.loads(config_path.read_text()).get("model")
+    model, model_config = load_sequence_model(train_dir, kind="bst" if kind == "bst" else "sasrec")
     sequences_dir = Path(sequences_dir)
     split_path = sequences_dir / f"{config.split}.parquet"
     counts_path = sequences_dir / ITEM_COUNTS_FILE
@@ -148,8 +173,11 @@ def evaluate_sequence_model(
             "the train and preprocess outputs are from different runs"
         )
 
-    states = user_states(model, histories)
-    item_table = model.item_embedding.weight.detach().float().numpy()
+    if kind == "bst":
+        score_fn = bst_scores(model, histories)
+    else:
+        states = user_states(model, histories)
+        score_fn = model_scores(states, model.item_embedding.weight.detach().float().numpy())
     rows = np.arange(len(targets), dtype=np.int64)  # users are row indices (keys negatives)
     protocol = {
         "users": rows,
@@ -159,10 +187,10 @@ def evaluate_sequence_model(
         "ks": config.ks,
         "num_negatives": config.num_negatives,
         "seed": config.negatives_seed,
-        "full": config.full_ranking,
+        "full": config.full_ranking and kind != "bst",
         "block_users": config.ranking_block_users,
     }
-    ours = evaluate_ranking(model_scores(states, item_table), **protocol)
+    ours = evaluate_ranking(score_fn, **protocol)
     baseline = evaluate_ranking(popularity_scores(counts), **protocol)
     metrics: dict[str, float | int | str] = {
         "split": config.split,

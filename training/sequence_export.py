@@ -45,6 +45,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from data_prep.errors import ConfigError, InputNotFoundError, ParityError, SchemaError
+from training.bst import BST
 from training.config import ExportConfig
 from training.export import PARITY_SPLIT, _max_abs_diff
 from training.model import MODEL_CONFIG_FILE, WEIGHTS_FILE
@@ -54,8 +55,12 @@ MODEL_KIND = "sasrec"
 INPUT_NAME = "history"
 OUTPUT_NAMES = ("items", "scores")
 ITEM_IDS_FILE = "item_ids.json"
-# The constructor arguments of SASRec, which model_config.json holds beside "model".
+# The constructor arguments of each model, which model_config.json holds beside "model".
 _SASREC_ARGS = ("num_items", "max_length", "hidden_dim", "num_blocks", "num_heads", "dropout")
+_MODELS: dict[str, tuple[type[nn.Module], tuple[str, ...]]] = {
+    "sasrec": (SASRec, _SASREC_ARGS),
+    "bst": (BST, (*_SASREC_ARGS, "mlp")),
+}
 
 
 @dataclass(frozen=True)
@@ -82,20 +87,21 @@ class SequenceExportResult:
     files: list[str]
 
 
-def load_sequence_model(train_dir: Path) -> tuple[SASRec, dict[str, Any]]:
-    """Rebuild a trained SASRec from `model_config.json` and `model.safetensors`.
+def load_sequence_model(train_dir: Path, kind: str = MODEL_KIND) -> tuple[Any, dict[str, Any]]:
+    """Rebuild a trained sequence model from `model_config.json` and `model.safetensors`.
 
     Args:
         train_dir: The train stage's output directory.
+        kind: The model the caller handles: "sasrec" (a `SASRec`) or "bst" (a `BST`).
 
     Returns:
         (model in fp32 eval mode, its model config dict).
 
     Raises:
         InputNotFoundError: One of the two files is missing.
-        SchemaError: The config is not a SASRec config (other "model", missing or unknown
-            keys), or the weights do not fit it.
-        ConfigError: The config's architecture is invalid (see `SASRec`).
+        SchemaError: The config describes another model, has missing or unknown keys,
+            or the weights do not fit it.
+        ConfigError: The config's architecture is invalid (see `SASRec`, `BST`).
     """
     config_path = Path(train_dir) / MODEL_CONFIG_FILE
     weights_path = Path(train_dir) / WEIGHTS_FILE
@@ -103,19 +109,20 @@ def load_sequence_model(train_dir: Path) -> tuple[SASRec, dict[str, Any]]:
         if not path.is_file():
             raise InputNotFoundError(f"{path} does not exist; run the train stage first")
     model_config = json.loads(config_path.read_text())
-    if not isinstance(model_config, dict) or model_config.get("model") != MODEL_KIND:
-        kind = model_config.get("model") if isinstance(model_config, dict) else None
+    if not isinstance(model_config, dict) or model_config.get("model") != kind:
+        found = model_config.get("model") if isinstance(model_config, dict) else None
         raise SchemaError(
-            f"{config_path} describes model {kind!r}, not {MODEL_KIND!r}; export CTR models "
-            "with training.export.export_model"
+            f"{config_path} describes model {found!r}, not {kind!r}; export CTR models "
+            "with training.export.export_model, BST with training.bst_export"
         )
-    expected = {"model", *_SASREC_ARGS}
+    model_class, args = _MODELS[kind]
+    expected = {"model", *args}
     if set(model_config) != expected:
         raise SchemaError(
             f"{config_path}: missing keys {sorted(expected - set(model_config))}, unknown keys "
             f"{sorted(set(model_config) - expected)}; it must hold exactly {sorted(expected)}"
         )
-    model = SASRec(**{name: model_config[name] for name in _SASREC_ARGS})
+    model = model_class(**{name: model_config[name] for name in args})
     try:
         model.load_state_dict(load_file(weights_path), strict=True)
     except RuntimeError as error:

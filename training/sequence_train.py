@@ -3,13 +3,13 @@
 Reads `<sequences_dir>/sequences.json` and `train.parquet` (written by preprocess, see
 `data_prep.sequences`). Writes to `out_dir`:
 
-- `train_config.json`, `model_config.json` (the `SASRec` constructor arguments plus
-  `"model": "sasrec"`), `memory_plan.json`, `launch.json` (the `PipelineSpec` the ranks
-  read), `launcher.log`;
+- `train_config.json`, `model_config.json` (the `SASRec` or `BST` constructor
+  arguments plus `"model": "sasrec"` or `"bst"`), `memory_plan.json`, `launch.json`
+  (the `PipelineSpec` the ranks read), `launcher.log`;
 - from the ranks (see `training.pipeline_worker`): `train_log.jsonl`,
   `checkpoints/final/` (DeepSpeed's pipeline checkpoint: one file per layer and the
   optimizer states), `model.safetensors` (the stages consolidated into one fp32
-  `SASRec`) and `train_summary.json`.
+  model) and `train_summary.json`.
 
 Layout: `train.pipeline_stages` stages, `world_size / pipeline_stages` data-parallel
 replicas (ZeRO stage 0 or 1), `train.batch_size` sequences per micro batch and replica,
@@ -98,7 +98,7 @@ def sequence_model_config(config: TrainConfig, meta: Mapping[str, Any]) -> dict[
             f"{meta['max_length']}, the longest history written; lower it or raise "
             "preprocess.sequence_length"
         )
-    return {
+    model_config = {
         "model": config.model,
         "num_items": int(meta["num_items"]),
         "max_length": max_length,
@@ -107,6 +107,9 @@ def sequence_model_config(config: TrainConfig, meta: Mapping[str, Any]) -> dict[
         "num_heads": config.sequence.num_heads,
         "dropout": config.sequence.dropout,
     }
+    if config.model == "bst":
+        model_config["mlp"] = list(config.sequence.mlp)
+    return model_config
 
 
 def plan_sequence_steps(config: TrainConfig, train_rows: int) -> int:
@@ -137,7 +140,9 @@ def plan_sequence_memory(
     the Adam state over the data-parallel replicas), the activations of the micro
     batches a stage keeps in flight (up to pipeline_stages under DeepSpeed's 1F1B
     schedule), the train histories the reader holds, and rank 0's fp32 copy of the
-    whole model when it consolidates.
+    whole model when it consolidates. BST runs (1 + num_negatives) rows of L + 1
+    positions per sequence and gathers no candidate vectors; its head MLP is small and
+    not counted.
     """
     num_items, length = model_config["num_items"], model_config["max_length"]
     dim, blocks = model_config["hidden_dim"], model_config["num_blocks"]
@@ -152,16 +157,21 @@ def plan_sequence_memory(
     if config.zero_stage >= 1:
         adam_bytes = math.ceil(adam_bytes / config.data_parallel_size())
     in_flight = min(stages, config.grad_accum_steps)
-    batch = config.batch_size
     negatives = config.sequence.num_negatives
+    if model_config["model"] == "bst":
+        batch, positions = config.batch_size * (1 + negatives), length + 1
+        candidates = 0
+    else:
+        batch, positions = config.batch_size, length
+        candidates = 2 * batch * length * (1 + negatives) * dim  # gathered vectors, grads
     blocks_here = math.ceil(blocks / stages)
     activations = (
         in_flight
         * FP32_BYTES
         * (
-            batch * length * dim * (_BLOCK_TENSORS_PER_POSITION * blocks_here + 4)
-            + 3 * batch * heads * length * length * blocks_here  # attention weights, grads
-            + 2 * batch * length * (1 + negatives) * dim  # gathered candidate vectors
+            batch * positions * dim * (_BLOCK_TENSORS_PER_POSITION * blocks_here + 4)
+            + 3 * batch * heads * positions * positions * blocks_here  # attention, grads
+            + candidates
         )
     )
     total_params = table + other
@@ -242,10 +252,6 @@ def train_sequence_model(
     started = time.monotonic()
     if config.model not in SEQUENCE_MODELS:
         raise ConfigError(f"train.model={config.model!r} is not one of {list(SEQUENCE_MODELS)}")
-    if config.model == "bst":
-        raise ConfigError(
-            "train.model=bst: the BST variant has no pipeline trainer yet; use train.model: sasrec"
-        )
     check_pipeline_config(config.world_size, config.pipeline_stages, config.zero_stage)
     sequences_dir = Path(sequences_dir).resolve()
     out_dir = Path(out_dir).resolve()
@@ -269,7 +275,7 @@ def train_sequence_model(
     _write_json(out_dir / TRAIN_CONFIG_FILE, config.model_dump(mode="json"))
     _write_json(out_dir / MODEL_CONFIG_FILE, model_config)
     spec = {
-        **{k: v for k, v in model_config.items() if k != "model"},
+        **model_config,
         "loss": config.sequence.loss,
         "num_negatives": config.sequence.num_negatives,
         "num_stages": config.pipeline_stages,

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 import pytest
 
 from data_prep.synthetic import generate_logs
@@ -39,9 +40,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def sequence_run(prefect_server, tmp_path_factory):
-    raw = tmp_path_factory.mktemp("data") / "raw"
-    generate_logs(load_config(TINY, [f"generate.out={raw}"]).generate)
+def raw(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "raw"
+    generate_logs(load_config(TINY, [f"generate.out={out}"]).generate)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sequence_run(prefect_server, raw, tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
     params = RunParams(config=TINY, root=str(root), overrides=[f"ingest.path={raw}", *SEQUENCE])
     return root, raw, json.loads(Path(pipeline(params)).read_text())
@@ -108,3 +114,30 @@ def test_rerun_from_evaluate_reuses_the_trained_pipeline(sequence_run):
     )
     record = json.loads(Path(pipeline(params)).read_text())
     assert [record["stages"][s]["status"] for s in STAGES] == ["cached"] * 4 + ["ran"] * 2
+
+
+def test_bst_trains_as_a_pipeline_and_exports_a_candidate_scorer(prefect_server, raw, tmp_path):
+    overrides = [
+        f"ingest.path={raw}",
+        *SEQUENCE,
+        "train.model=bst",
+        "train.sequence.num_negatives=3",
+        "train.sequence.mlp=[16]",
+        "export.model_name=tiny-bst",
+    ]
+    params = RunParams(config=TINY, root=str(tmp_path), overrides=overrides)
+    record = json.loads(Path(pipeline(params)).read_text())
+    assert [record["stages"][s]["status"] for s in STAGES] == ["ran"] * 6
+    metrics = record["metrics"]
+    # BST scores one candidate per pass: the sampled protocol only, with the baseline.
+    assert 0.0 <= metrics["hr@10_sampled"] <= 1.0 and "hr@10_full" not in metrics
+    assert "popularity/hr@10_sampled" in metrics
+    train = Path(record["stages"]["train"]["output"])
+    assert json.loads((train / "model_config.json").read_text())["model"] == "bst"
+    assert json.loads((train / "train_summary.json").read_text())["num_stages"] == 2
+    model = Path(record["model"])
+    inputs = dict(np.load(model / "parity" / "inputs.npz"))
+    assert sorted(inputs) == ["candidates", "history"]
+    session = onnxruntime.InferenceSession(str(model / "model.onnx"))
+    scores = session.run(["scores"], inputs)[0]
+    assert np.abs(scores - np.load(model / "parity" / "scores.npy")).max() <= 1e-5

@@ -64,8 +64,8 @@ def test_model_config_takes_the_sequence_length_and_refuses_a_longer_one() -> No
 
 
 def test_memory_plan_grows_with_the_batch_and_refuses_what_does_not_fit() -> None:
-    model = {"num_items": 1_000_000, "max_length": 200, "hidden_dim": 64, "num_blocks": 2}
-    model |= {"num_heads": 1}
+    model = {"model": "sasrec", "num_items": 1_000_000, "max_length": 200, "hidden_dim": 64}
+    model |= {"num_blocks": 2, "num_heads": 1}
     small = plan_sequence_memory(TrainConfig(**SASREC, batch_size=32), model, 10_000)
     big = plan_sequence_memory(TrainConfig(**SASREC, batch_size=512), model, 10_000)
     assert big.per_rank["activations"] == pytest.approx(16 * small.per_rank["activations"])
