@@ -124,6 +124,13 @@ class PreprocessConfig(BaseModel):
         "items under sequences/ (needs schema.user_key and schema.item_key as sparse fields).",
     )
 
+    sequence_item_features: list[str] = Field(
+        default=[],
+        description="Single-valued sparse fields that describe the item (e.g. category): "
+        "each item's most frequent train value is written to sequences/item_features.parquet "
+        "for the sequence models' side features. Needs sequence_length.",
+    )
+
     @model_validator(mode="after")
     def _train_remains(self) -> "PreprocessConfig":
         if self.valid_fraction + self.test_fraction >= 1.0:
@@ -240,6 +247,10 @@ def preprocess_events(
             config.sequence_length,
             out_dir / "sequences",
             num_items=transform["sparse"][schema.item_key]["num_embeddings"],
+            item_features={
+                name: transform["sparse"][name]["num_embeddings"]
+                for name in config.sequence_item_features
+            },
         )
         sequences = built.rows
     time_plan = plan if isinstance(plan, _TimePlan) else None
@@ -286,6 +297,20 @@ def _check_config(config: PreprocessConfig, schema: SchemaConfig) -> None:
                     f"preprocess.sequence_length needs schema.{key} naming a single-valued "
                     f"sparse field (got {name!r}); set it, or drop sequence_length."
                 )
+    if config.sequence_item_features and config.sequence_length is None:
+        raise ConfigError(
+            "preprocess.sequence_item_features needs preprocess.sequence_length; set it, or "
+            "drop sequence_item_features."
+        )
+    for name in config.sequence_item_features:
+        spec = next((f for f in schema.fields if f.name == name), None)
+        keys = (schema.user_key, schema.item_key)
+        if spec is None or spec.role != "sparse" or spec.multi_hot or name in keys:
+            raise ConfigError(
+                f"preprocess.sequence_item_features: {name!r} is not a single-valued sparse "
+                "field other than the user and item keys; name fields of the schema that "
+                "describe the item, e.g. its category."
+            )
     if config.split == "leave_last_out":
         if schema.user_key is None:
             raise ConfigError(

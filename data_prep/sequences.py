@@ -14,8 +14,11 @@ mapped to indices) and writes, under ``out_dir``:
   must not sample as negatives);
 - ``train_item_counts.npy``: int64 interactions per item index in the train split
   (index 0 included), for the popularity baseline;
+- ``item_features.parquet`` (when item features are named): one row per item index
+  0..num_items-1 with each feature's most frequent train value for that item (ties
+  to the smaller index; 0 for items never seen in train and for the padding item);
 - ``sequences.json``: ``max_length``, ``num_items`` (the item vocabulary size, when
-  given), ``users`` and rows per output.
+  given), ``item_features`` (name -> number of indices), ``users`` and rows per output.
 
 Order within a user is by timestamp, ties broken by the row order of the
 transformed tables, which preprocess writes deterministically. A training
@@ -59,6 +62,7 @@ def build_sequences(
     out_dir: Path,
     partition_rows: int = 2_000_000,
     num_items: int | None = None,
+    item_features: dict[str, int] | None = None,
 ) -> SequenceResult:
     """Write train sequences and evaluation (history, target) rows.
 
@@ -72,6 +76,8 @@ def build_sequences(
         partition_rows: rows per spill partition; bounds memory.
         num_items: the item vocabulary size (index 0 included), recorded in
             sequences.json and the length of train_item_counts.npy; None: max item + 1.
+        item_features: item-describing index columns -> their number of indices, for
+            item_features.parquet; needs num_items.
 
     Returns:
         Users with a train sequence and rows per output.
@@ -94,6 +100,11 @@ def build_sequences(
             )
         counts = np.pad(counts, (0, num_items - counts.size))
     np.save(out_dir / "train_item_counts.npy", counts)
+    features = dict(item_features or {})
+    if features:
+        if num_items is None:
+            raise ValueError("item_features need num_items")
+        _write_item_features(split_dirs["train"], item, features, num_items, out_dir)
 
     writers: dict[str, pq.ParquetWriter] = {}
     rows = dict.fromkeys(("train", *EVAL_SPLITS), 0)
@@ -118,11 +129,54 @@ def build_sequences(
     spill.rmdir()
     (out_dir / "sequences.json").write_text(
         json.dumps(
-            {"max_length": max_length, "num_items": num_items, "users": users, "rows": rows},
+            {
+                "max_length": max_length,
+                "num_items": num_items,
+                "item_features": features,
+                "users": users,
+                "rows": rows,
+            },
             indent=2,
         )
     )
     return SequenceResult(out_dir=out_dir, users=users, rows=rows)
+
+
+def _write_item_features(
+    train_dir: Path, item: str, features: dict[str, int], num_items: int, out_dir: Path
+) -> None:
+    """Each item's most frequent train value of every feature -> item_features.parquet.
+
+    Counts live in one (item, value) -> count table per feature, the size of the
+    distinct pairs (an item usually has one category), merged file by file.
+    """
+    pairs: dict[str, pa.Table] = {}
+    for path in sorted(Path(train_dir).glob("*.parquet")):
+        table = pq.read_table(path, columns=[item, *features])
+        for name in features:
+            counted = table.group_by([item, name]).aggregate([([], "count_all")])
+            counted = counted.rename_columns(["item", "value", "count"])
+            merged = counted if name not in pairs else pa.concat_tables([pairs[name], counted])
+            pairs[name] = merged.group_by(["item", "value"]).aggregate([("count", "sum")])
+            pairs[name] = pairs[name].rename_columns(["item", "value", "count"])
+    columns = {"item": pa.array(np.arange(num_items, dtype=np.int64))}
+    for name, size in features.items():
+        index = np.zeros(num_items, dtype=np.int64)
+        if name in pairs and pairs[name].num_rows:
+            table = pairs[name]
+            items = table.column("item").to_numpy().astype(np.int64)
+            values = table.column("value").to_numpy().astype(np.int64)
+            counts = table.column("count").to_numpy()
+            # Sort by item, then count descending, then value: the first row per item wins.
+            order = np.lexsort((values, -counts, items))
+            items, values = items[order], values[order]
+            first = np.r_[True, items[1:] != items[:-1]]
+            index[items[first]] = values[first]
+        if index.max(initial=0) >= size or (index < 0).any():
+            raise DataError(f"item feature {name}: indices outside [0, {size}); rerun preprocess")
+        index[0] = 0  # the padding item has no features
+        columns[name] = pa.array(index)
+    pq.write_table(pa.table(columns), out_dir / "item_features.parquet")
 
 
 def _rows(directory: Path) -> int:

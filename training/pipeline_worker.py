@@ -94,6 +94,12 @@ class PipelineSpec(BaseModel):
         default="bce", description="SASRec's loss (BST always uses BCE on its labels)."
     )
     mlp: list[int] = Field(default=[64, 32], description="BST: hidden sizes of the head MLP.")
+    item_features: dict[str, int] = Field(
+        default={}, description="SASRec: item side features, name -> number of indices."
+    )
+    item_features_file: Path | None = Field(
+        default=None, description="item_features.parquet of data_prep.sequences (item lookups)."
+    )
     num_negatives: int = Field(default=1, ge=1, description="Negatives per position.")
     num_stages: int = Field(ge=1, description="Pipeline stages; must divide the world size.")
     partition_method: Literal["blocks", "uniform", "parameters"] = "uniform"
@@ -287,6 +293,11 @@ def run(spec: PipelineSpec) -> None:
         seed_fn=seed_layer,
         base_seed=layer_base_seed(spec.seed),
     )
+    # Every stage holding the tied item table gets the same (untrained) item lookups.
+    index = item_feature_index(spec)
+    for tied in module.tied_modules.values():
+        if index:
+            tied.item_features.set_index(index)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         model_parameters=[p for p in module.parameters() if p.requires_grad],
@@ -383,7 +394,7 @@ def build_layers(spec: PipelineSpec) -> list:
     )
     if spec.model == "bst":
         return build_bst_pipeline_layers(*args, spec.mlp)
-    return build_pipeline_layers(*args)
+    return build_pipeline_layers(*args, spec.item_features)
 
 
 def build_model(spec: PipelineSpec) -> SASRec | BST:
@@ -396,7 +407,27 @@ def build_model(spec: PipelineSpec) -> SASRec | BST:
         spec.num_heads,
         spec.dropout,
     )
-    return BST(*args, spec.mlp) if spec.model == "bst" else SASRec(*args)
+    return BST(*args, spec.mlp) if spec.model == "bst" else SASRec(*args, spec.item_features)
+
+
+def item_feature_index(spec: PipelineSpec) -> dict[str, torch.Tensor]:
+    """The item -> feature index lookups of `spec.item_features`, from its Parquet file.
+
+    Raises:
+        ConfigError: Features are named but the file is missing or lacks one of them.
+    """
+    if not spec.item_features:
+        return {}
+    path = spec.item_features_file
+    if path is None or not path.is_file():
+        raise ConfigError(
+            f"item_features {sorted(spec.item_features)} need item_features_file, got {path}"
+        )
+    table = pq.read_table(path)
+    missing = sorted(set(spec.item_features) - set(table.column_names))
+    if missing:
+        raise ConfigError(f"{path} has no column(s) {missing}; rerun preprocess")
+    return {name: torch.from_numpy(table.column(name).to_numpy()) for name in spec.item_features}
 
 
 def consolidate_pipeline_checkpoint(

@@ -177,7 +177,9 @@ def evaluate_sequence_model(
         score_fn = bst_scores(model, histories)
     else:
         states = user_states(model, histories)
-        score_fn = model_scores(states, model.item_embedding.weight.detach().float().numpy())
+        with torch.no_grad():
+            table = model.item_table().float().numpy()  # (V, D), side features included
+        score_fn = model_scores(states, table)
     rows = np.arange(len(targets), dtype=np.int64)  # users are row indices (keys negatives)
     protocol = {
         "users": rows,

@@ -57,9 +57,10 @@ OUTPUT_NAMES = ("items", "scores")
 ITEM_IDS_FILE = "item_ids.json"
 # The constructor arguments of each model, which model_config.json holds beside "model".
 _SASREC_ARGS = ("num_items", "max_length", "hidden_dim", "num_blocks", "num_heads", "dropout")
-_MODELS: dict[str, tuple[type[nn.Module], tuple[str, ...]]] = {
-    "sasrec": (SASRec, _SASREC_ARGS),
-    "bst": (BST, (*_SASREC_ARGS, "mlp")),
+# model -> (class, required arguments, optional arguments)
+_MODELS: dict[str, tuple[type[nn.Module], tuple[str, ...], tuple[str, ...]]] = {
+    "sasrec": (SASRec, _SASREC_ARGS, ("item_features",)),
+    "bst": (BST, (*_SASREC_ARGS, "mlp"), ()),
 }
 
 
@@ -115,14 +116,15 @@ def load_sequence_model(train_dir: Path, kind: str = MODEL_KIND) -> tuple[Any, d
             f"{config_path} describes model {found!r}, not {kind!r}; export CTR models "
             "with training.export.export_model, BST with training.bst_export"
         )
-    model_class, args = _MODELS[kind]
-    expected = {"model", *args}
-    if set(model_config) != expected:
+    model_class, required, optional = _MODELS[kind]
+    missing = {"model", *required} - set(model_config)
+    unknown = set(model_config) - {"model", *required, *optional}
+    if missing or unknown:
         raise SchemaError(
-            f"{config_path}: missing keys {sorted(expected - set(model_config))}, unknown keys "
-            f"{sorted(set(model_config) - expected)}; it must hold exactly {sorted(expected)}"
+            f"{config_path}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; "
+            f"it holds {sorted(required)} and optionally {sorted(optional)}"
         )
-    model = model_class(**{name: model_config[name] for name in args})
+    model = model_class(**{k: v for k, v in model_config.items() if k != "model"})
     try:
         model.load_state_dict(load_file(weights_path), strict=True)
     except RuntimeError as error:

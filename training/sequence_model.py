@@ -54,8 +54,8 @@ from data_prep.errors import ConfigError
 
 PADDING_ITEM = 0
 TIED_KEY = "item_embedding"
-# The key a PipelineModule's own state_dict gives the tied item table.
-_TIED_STATE_KEY = f"tied_modules.{TIED_KEY}.weight"
+# The prefix a PipelineModule's own state_dict gives the tied item table's tensors.
+_TIED_PREFIX = f"tied_modules.{TIED_KEY}."
 
 
 def init_item_table(weight: torch.Tensor) -> None:
@@ -91,6 +91,67 @@ def score_items(
         return hidden @ weight.T  # (..., V)
     vectors = F.embedding(items, weight, padding_idx=PADDING_ITEM)  # (..., C, D)
     return (vectors * hidden.unsqueeze(-2)).sum(dim=-1)  # (..., C)
+
+
+class ItemFeatures(nn.Module):
+    """Side features of items (e.g. category), added to the item vectors.
+
+    Each feature f has an embedding table (its vocabulary, index 0 = unknown) and a
+    fixed lookup `index_f` (V,) from item index to the feature's index, set from the
+    data with `set_index` and saved in the state dict (a buffer, not trained). An
+    item's vector is its own row plus the rows of its features, so items that share a
+    category share part of their vector, which helps rarely seen items.
+
+    Args:
+        num_items: V.
+        hidden_dim: D.
+        feature_sizes: Feature name -> number of indices (vocabulary size + 1); may be
+            empty (then `vectors` is the item table alone).
+    """
+
+    def __init__(self, num_items: int, hidden_dim: int, feature_sizes: Mapping[str, int]) -> None:
+        super().__init__()
+        self.names = sorted(feature_sizes)
+        self.tables = nn.ModuleDict()
+        for name in self.names:
+            table = nn.Embedding(int(feature_sizes[name]), hidden_dim)
+            init_item_table(table.weight)
+            self.tables[name] = table
+            self.register_buffer(_index_buffer(name), torch.zeros(num_items, dtype=torch.int64))
+
+    def set_index(self, index: Mapping[str, torch.Tensor]) -> None:
+        """Set every feature's item -> index lookup.
+
+        Args:
+            index: Feature name -> (V,) int64 indices (0 for unknown and the padding item).
+
+        Raises:
+            ValueError: A feature is missing, or a lookup has the wrong shape or range.
+        """
+        for name in self.names:
+            if name not in index:
+                raise ValueError(f"no item -> {name} index given; features: {self.names}")
+            values = torch.as_tensor(index[name], dtype=torch.int64)
+            buffer = getattr(self, _index_buffer(name))
+            size = self.tables[name].num_embeddings
+            if values.shape != buffer.shape or values.min() < 0 or values.max() >= size:
+                raise ValueError(
+                    f"item feature {name}: need {tuple(buffer.shape)} indices in [0, {size}), "
+                    f"got shape {tuple(values.shape)} in [{int(values.min())}, "
+                    f"{int(values.max())}]"
+                )
+            buffer.copy_(values)
+
+    def add_to(self, vectors: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """vectors (..., D) of `items` (...) plus their features' rows."""
+        for name in self.names:
+            index = getattr(self, _index_buffer(name))[items]  # (...)
+            vectors = vectors + self.tables[name](index)
+        return vectors
+
+
+def _index_buffer(name: str) -> str:
+    return f"index_{name}"
 
 
 def candidates_of(positives: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
@@ -225,6 +286,8 @@ class SASRec(nn.Module):
         num_blocks: Transformer blocks.
         num_heads: Attention heads (divide hidden_dim).
         dropout: Dropout probability.
+        item_features: Optional side features of items: name -> number of indices
+            (see `ItemFeatures`; set their item lookups with `item_features.set_index`).
 
     Raises:
         ConfigError: hidden_dim is not divisible by num_heads, or num_items < 2.
@@ -238,11 +301,13 @@ class SASRec(nn.Module):
         num_blocks: int,
         num_heads: int,
         dropout: float,
+        item_features: Mapping[str, int] | None = None,
     ) -> None:
         super().__init__()
         _check_model_args(num_items, max_length, num_blocks)
         self.item_embedding = nn.Embedding(num_items, hidden_dim, padding_idx=PADDING_ITEM)
         init_item_table(self.item_embedding.weight)
+        self.item_features = ItemFeatures(num_items, hidden_dim, item_features or {})
         self.input = SequenceInput(max_length, hidden_dim, dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(hidden_dim, num_heads, dropout) for _ in range(num_blocks)
@@ -258,10 +323,18 @@ class SASRec(nn.Module):
         Returns:
             (B, L, D); position t has seen history[:, : t + 1] only.
         """
-        x = self.input(self.item_embedding(history), history)  # (B, L, D)
+        vectors = self.item_features.add_to(self.item_embedding(history), history)  # (B, L, D)
+        x = self.input(vectors, history)  # (B, L, D)
         for block in self.blocks:
             x = block(x, history)
         return self.final_norm(x)
+
+    def item_table(self) -> torch.Tensor:
+        """(V, D) every item's vector: its row of the tied table plus its side features."""
+        items = torch.arange(
+            self.item_embedding.num_embeddings, device=self.item_embedding.weight.device
+        )
+        return self.item_features.add_to(self.item_embedding.weight, items)
 
     def score(self, hidden: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:
         """Scores of candidate items with the tied item table (see `score_items`).
@@ -273,7 +346,12 @@ class SASRec(nn.Module):
         Returns:
             (..., C) scores, or (..., V) for all items.
         """
-        return score_items(self.item_embedding.weight, hidden, items)
+        if not self.item_features.names:
+            return score_items(self.item_embedding.weight, hidden, items)
+        if items is None:
+            return hidden @ self.item_table().T  # (..., V)
+        vectors = self.item_features.add_to(self.item_embedding(items), items)  # (..., C, D)
+        return (vectors * hidden.unsqueeze(-2)).sum(dim=-1)
 
 
 def _check_model_args(num_items: int, max_length: int, num_blocks: int) -> None:
@@ -389,20 +467,28 @@ class ItemEmbeddingPipe(nn.Module):
     Args:
         num_items: V.
         hidden_dim: D.
+        item_features: As `SASRec`; the feature tables are tied too.
     """
 
-    def __init__(self, num_items: int, hidden_dim: int) -> None:
+    def __init__(
+        self, num_items: int, hidden_dim: int, item_features: Mapping[str, int] | None = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_items, hidden_dim))
         init_item_table(self.weight)
+        self.item_features = ItemFeatures(num_items, hidden_dim, item_features or {})
+
+    def vectors(self, items: torch.Tensor) -> torch.Tensor:
+        """(..., D) vectors of `items` (...): table rows plus side features."""
+        rows = F.embedding(items, self.weight, padding_idx=PADDING_ITEM)
+        return self.item_features.add_to(rows, items)
 
     def forward(
         self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
         """(history (B, L), positives (B, L), negatives (B, L, N)) -> (vectors (B, L, D), ...)."""
         history, positives, negatives = inputs
-        vectors = F.embedding(history, self.weight, padding_idx=PADDING_ITEM)  # (B, L, D)
-        return vectors, history, positives, negatives
+        return self.vectors(history), history, positives, negatives  # vectors (B, L, D)
 
 
 def score_candidates_pipe(
@@ -410,7 +496,8 @@ def score_candidates_pipe(
 ) -> torch.Tensor:
     """Last pipeline layer: (hidden, history, positives, negatives) -> logits (B, L, 1 + N)."""
     hidden, _, positives, negatives = inputs
-    return score_items(table.weight, hidden, candidates_of(positives, negatives))
+    vectors = table.vectors(candidates_of(positives, negatives))  # (B, L, 1 + N, D)
+    return (vectors * hidden.unsqueeze(-2)).sum(dim=-1)
 
 
 class SequenceInputPipe(nn.Module):
@@ -459,6 +546,7 @@ def build_pipeline_layers(
     num_blocks: int,
     num_heads: int,
     dropout: float,
+    item_features: Mapping[str, int] | None = None,
 ) -> list[LayerSpec]:
     """SASRec as `deepspeed.pipe` layer specs (see the module docstring for the tuples).
 
@@ -469,8 +557,12 @@ def build_pipeline_layers(
     keeps one copy per stage that uses it, all-reduces its gradient, and broadcasts
     stage 0's initial copy.
 
+    The side feature tables (if any) are tied the same way; their item lookups are
+    buffers, which the caller sets on every stage's copy (`tied_item_features`).
+
     Args:
-        num_items, max_length, hidden_dim, num_blocks, num_heads, dropout: as `SASRec`.
+        num_items, max_length, hidden_dim, num_blocks, num_heads, dropout,
+            item_features: as `SASRec`.
 
     Returns:
         num_blocks + 4 specs: item table, input, blocks, final norm, scoring.
@@ -483,9 +575,11 @@ def build_pipeline_layers(
         raise ConfigError(
             f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}; change one of them"
         )
+    features = dict(item_features or {})
+    tied = ["weight", *(f"item_features.tables.{name}.weight" for name in sorted(features))]
     return [
         TiedLayerSpec(
-            TIED_KEY, ItemEmbeddingPipe, num_items, hidden_dim, tied_weight_attr="weight"
+            TIED_KEY, ItemEmbeddingPipe, num_items, hidden_dim, features, tied_weight_attr=tied
         ),
         LayerSpec(SequenceInputPipe, max_length, hidden_dim, dropout),
         *(
@@ -498,8 +592,9 @@ def build_pipeline_layers(
             ItemEmbeddingPipe,
             num_items,
             hidden_dim,
+            features,
             forward_fn=score_candidates_pipe,
-            tied_weight_attr="weight",
+            tied_weight_attr=tied,
         ),
     ]
 
@@ -541,18 +636,18 @@ def pipeline_state_to_sasrec(state: Mapping[str, torch.Tensor]) -> dict[str, tor
         ValueError: A name fits no pipeline layer, or a layer is missing.
     """
     by_layer: dict[int, dict[str, torch.Tensor]] = {}
-    table: torch.Tensor | None = None
+    tied: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if name == _TIED_STATE_KEY:
-            table = tensor
+        if name.startswith(_TIED_PREFIX):
+            tied[name.removeprefix(_TIED_PREFIX)] = tensor
             continue
         match = re.fullmatch(r"(\d+)\.(.+)", name)
         if match is None:
             raise ValueError(f"{name!r} is not a SASRec pipeline parameter name")
         by_layer.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
     if 0 in by_layer:
-        table = by_layer.pop(0)["weight"]
-    if table is None:
+        tied = by_layer.pop(0)
+    if "weight" not in tied:
         raise ValueError("the pipeline state has no item table (layer 0 or the tied module)")
     indices = sorted(by_layer)
     # Layers 1..K+2 carry parameters: input, K blocks, final norm (the last layer,
@@ -560,7 +655,11 @@ def pipeline_state_to_sasrec(state: Mapping[str, torch.Tensor]) -> dict[str, tor
     if not indices or indices != list(range(1, indices[-1] + 1)) or len(indices) < 3:
         raise ValueError(f"pipeline layers {indices} are not the contiguous range 1..K+2")
     num_blocks = len(indices) - 2
-    result = {"item_embedding.weight": table}
+    result = {"item_embedding.weight": tied.pop("weight")}
+    for name, tensor in tied.items():
+        if not name.startswith("item_features."):
+            raise ValueError(f"{name!r} is not a parameter of the item table layer")
+        result[name] = tensor  # "item_features.tables.<f>.weight", "item_features.index_<f>"
     for index in indices:
         for name, tensor in by_layer[index].items():
             if index == 1:

@@ -52,6 +52,7 @@ from training.train import (
 
 SEQUENCES_META_FILE = "sequences.json"
 TRAIN_SEQUENCES_FILE = "train.parquet"
+ITEM_FEATURES_FILE = "item_features.parquet"
 # Tensors autograd keeps per position and block (inputs of the two LayerNorms, q/k/v,
 # attention output, FFN input/hidden/output, residuals, dropout masks) with their
 # gradients: about 12 D-wide tensors, x2 for the backward copies.
@@ -107,8 +108,17 @@ def sequence_model_config(config: TrainConfig, meta: Mapping[str, Any]) -> dict[
         "num_heads": config.sequence.num_heads,
         "dropout": config.sequence.dropout,
     }
+    features = dict(meta.get("item_features") or {})
     if config.model == "bst":
+        if features:
+            raise ConfigError(
+                f"train.model=bst takes no item side features, but preprocess wrote "
+                f"{sorted(features)} (preprocess.sequence_item_features); remove them or use "
+                "train.model: sasrec"
+            )
         model_config["mlp"] = list(config.sequence.mlp)
+    else:
+        model_config["item_features"] = features
     return model_config
 
 
@@ -292,6 +302,9 @@ def train_sequence_model(
         "fp32": config.precision == "fp32",
         "zero_stage": config.zero_stage,
         "sequences": str(sequences_dir / TRAIN_SEQUENCES_FILE),
+        "item_features_file": (
+            str(sequences_dir / ITEM_FEATURES_FILE) if model_config.get("item_features") else None
+        ),
         "out": str(out_dir / SUMMARY_FILE),
         "log_every": config.log_every,
         "train_log": str(out_dir / TRAIN_LOG_FILE),

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -86,3 +88,36 @@ def test_ties_are_ordered_the_same_way_every_time(tmp_path):
         assert pq.read_table(tmp_path / "a" / f"{name}.parquet").equals(
             pq.read_table(tmp_path / "b" / f"{name}.parquet")
         )
+
+
+def test_item_features_take_each_items_most_frequent_train_value(tmp_path):
+    dirs = {}
+    rows = {
+        # (user, item, ts, category): item 3 is category 2 twice, 1 once; item 4 ties 5/6.
+        "train": [(1, 3, 1, 2), (1, 4, 2, 6), (2, 3, 1, 1), (2, 4, 2, 5), (3, 3, 5, 2)],
+        "valid": [(1, 5, 9, 7)],
+        "test": [(1, 2, 10, 3)],  # items only seen outside train get no feature
+    }
+    for split, part in rows.items():
+        dirs[split] = tmp_path / split
+        dirs[split].mkdir()
+        columns = zip(*part, strict=True)
+        names = ("user_id", "item_id", "ts", "category")
+        pq.write_table(
+            pa.table({n: pa.array(c, pa.int64()) for n, c in zip(names, columns, strict=True)}),
+            dirs[split] / "part-00000.parquet",
+        )
+    build_sequences(
+        dirs,
+        "user_id",
+        "item_id",
+        "ts",
+        4,
+        tmp_path / "seq",
+        num_items=6,
+        item_features={"category": 8},
+    )
+    table = pq.read_table(tmp_path / "seq" / "item_features.parquet").to_pydict()
+    assert table == {"item": [0, 1, 2, 3, 4, 5], "category": [0, 0, 0, 2, 5, 0]}
+    meta = json.loads((tmp_path / "seq" / "sequences.json").read_text())
+    assert meta["item_features"] == {"category": 8} and meta["num_items"] == 6

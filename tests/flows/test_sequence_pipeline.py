@@ -21,6 +21,7 @@ SEQUENCE = [
     "preprocess.split=leave_last_out",
     "preprocess.sequence_length=12",
     "preprocess.min_count=1",
+    "preprocess.sequence_item_features=[category]",
     "train.model=sasrec",
     "train.sequence.hidden_dim=16",
     "train.sequence.num_heads=2",
@@ -68,6 +69,8 @@ def test_sasrec_runs_every_stage_and_records_ranking_metrics(sequence_run):
     train = Path(record["stages"]["train"]["output"])
     summary = json.loads((train / "train_summary.json").read_text())
     assert summary["num_stages"] == 2 and summary["steps"] == 12
+    model_config = json.loads((train / "model_config.json").read_text())
+    assert model_config["item_features"]["category"] > 2  # the side feature was used
     assert summary["samples_per_s"] > 0
     assert len((train / "train_log.jsonl").read_text().splitlines()) == 3  # steps 4, 8, 12
     layers = sorted(p.name for p in (train / "checkpoints" / "final").glob("layer_*"))
@@ -121,6 +124,7 @@ def test_bst_trains_as_a_pipeline_and_exports_a_candidate_scorer(prefect_server,
         f"ingest.path={raw}",
         *SEQUENCE,
         "train.model=bst",
+        "preprocess.sequence_item_features=[]",
         "train.sequence.num_negatives=3",
         "train.sequence.mlp=[16]",
         "export.model_name=tiny-bst",

@@ -207,6 +207,46 @@ def test_pipeline_layers_compute_sasrec() -> None:
         torch.testing.assert_close(loss(logits, positives), loss(expected, positives))
 
 
+CATEGORY = torch.tensor([0, *[1 + item % 4 for item in range(1, 50)]])  # (V,) item -> category
+
+
+def test_side_features_are_shared_by_items_and_tied_in_the_pipeline() -> None:
+    args = {**ARGS, "item_features": {"category": 5}}
+    layers = build_pipeline_layers(**args)
+    assert layers[0].tied_weight_attr == ["weight", "item_features.tables.category.weight"]
+    torch.manual_seed(1)
+    table = layers[0].build()
+    table.item_features.set_index({"category": CATEGORY})
+    modules = [table, *(spec.build().eval() for spec in layers[1:-1])]
+    history, positives, negatives = tiny_batch()
+    x = (history, positives, negatives)
+    with torch.no_grad():
+        for module in [*modules, partial(layers[-1].forward_fn, table)]:
+            x = module(x)
+    state = {
+        f"{index}.{name}": tensor
+        for index, module in enumerate(modules)
+        for name, tensor in module.state_dict().items()
+    }
+    assert torch.equal(state["0.item_features.index_category"], CATEGORY)
+    model = SASRec(**args).eval()
+    model.load_state_dict(pipeline_state_to_sasrec(state), strict=True)  # lookups included
+    with torch.no_grad():
+        expected = model.score(model(history), candidates_of(positives, negatives))
+        torch.testing.assert_close(x, expected, rtol=0, atol=0)
+        # An item's vector is its row plus its category's row: moving category 2's row
+        # moves the items of category 2 (and only those) in the output table.
+        before = model.item_table().clone()
+        model.item_features.tables["category"].weight[2] += 1.0
+        moved = (model.item_table() - before).abs().sum(dim=1) > 0  # (V,)
+        assert torch.equal(moved, CATEGORY == 2)
+        full = model.score(model(history)[:, -1])  # (B, V)
+        some = model.score(model(history)[:, -1], torch.tensor([3, 7, 8]))
+        torch.testing.assert_close(full[:, [3, 7, 8]], some)
+    with pytest.raises(ValueError, match="in \\[0, 5\\)"):
+        model.item_features.set_index({"category": CATEGORY + 1})
+
+
 def test_pipeline_state_round_trips() -> None:
     layers = build_pipeline_layers(**ARGS)
     history, positives, negatives = tiny_batch()
@@ -360,7 +400,8 @@ def consolidated(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_one_stage_and_two_stages_train_the_same_model(tmp_path: Path) -> None:
     one = launch({**SPEC, "num_stages": 1}, 1, tmp_path, "one")
-    two = launch({**SPEC, "num_stages": 2}, 2, tmp_path, "two")
+    # "blocks" balances the Transformer blocks (DeepSpeed's "type:" partition).
+    two = launch({**SPEC, "num_stages": 2, "partition_method": "blocks"}, 2, tmp_path, "two")
     # "parameters" splits this model as "uniform" does, but takes DeepSpeed's other
     # code path (numpy-integer layer bounds handed to the seed function).
     balanced = launch(

@@ -56,11 +56,18 @@ def test_model_config_takes_the_sequence_length_and_refuses_a_longer_one() -> No
         "num_blocks": 2,
         "num_heads": 1,
         "dropout": 0.2,
+        "item_features": {},
     }
     shorter = TrainConfig(**SASREC, sequence={"max_length": 20})
     assert sequence_model_config(shorter, meta)["max_length"] == 20
     with pytest.raises(ConfigError, match="preprocess.sequence_length=50"):
         sequence_model_config(TrainConfig(**SASREC, sequence={"max_length": 80}), meta)
+    with_features = {**meta, "item_features": {"category": 12}}
+    assert sequence_model_config(config, with_features)["item_features"] == {"category": 12}
+    bst = TrainConfig(**{**SASREC, "model": "bst"})
+    assert "item_features" not in sequence_model_config(bst, meta)
+    with pytest.raises(ConfigError, match="takes no item side features"):
+        sequence_model_config(bst, with_features)
 
 
 def test_memory_plan_grows_with_the_batch_and_refuses_what_does_not_fit() -> None:
