@@ -433,3 +433,21 @@ def test_one_stage_and_two_stages_train_the_same_model(tmp_path: Path) -> None:
                 # shift), so Adam turns float noise into lr-sized steps: not compared.
                 moved[dim : 2 * dim] = expected[dim : 2 * dim] = 0
             torch.testing.assert_close(moved, expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_pipeline_with_zero1_data_parallel_replicas_trains_like_data_parallel_alone(
+    tmp_path: Path,
+) -> None:
+    # Hybrid: 2 stages x 2 data-parallel replicas (ZeRO-1) on 4 ranks, against the same 2
+    # replicas without a pipeline on 2 ranks. Replica r reads stream r in both, so the
+    # global batches and hence the losses agree.
+    spec = {**SPEC, "steps": 8, "zero_stage": 1}
+    flat = launch({**spec, "num_stages": 1}, 2, tmp_path, "flat")
+    hybrid = launch({**spec, "num_stages": 2, "partition_method": "blocks"}, 4, tmp_path, "hybrid")
+    assert flat["world_size"] == 2 and hybrid["world_size"] == 4
+    assert hybrid["num_stages"] == 2 and hybrid["samples"] == flat["samples"] == 8 * 8 * 2 * 2
+    for step, (a, b) in enumerate(zip(flat["losses"], hybrid["losses"], strict=True)):
+        assert b == pytest.approx(a, rel=1e-4), f"step {step}: {a} vs {b}"
+    model = SASRec(**{k: SPEC[k] for k in ARGS})
+    model.load_state_dict(consolidated(tmp_path, "hybrid"), strict=True)
