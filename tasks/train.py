@@ -1,6 +1,7 @@
 """Prefect task for the train stage: launches DeepSpeed ranks as separate processes."""
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from prefect.artifacts import (
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.progress import terminal_progress
+from tasks.store import ArtifactStore
 from training.config import SEQUENCE_MODELS, TrainConfig
 from training.memory import machine_memory_bytes
 from training.sequence_train import train_sequence_model
@@ -21,6 +23,7 @@ from training.train import train_model
 
 MODULES = [
     "training/bst.py",
+    "training/checkpoint.py",
     "training/config.py",
     "training/data.py",
     "training/embedding.py",
@@ -68,6 +71,7 @@ def train_task(
     """
     fp = stage_fingerprint("train", config.model_dump(), [shard, preprocess], MODULES)
     logger = get_run_logger()
+    resume_root = ArtifactStore(root).root / "checkpoints" / "train" / fp
 
     def produce(out_dir: Path) -> dict:
         progress_id = create_progress_artifact(
@@ -84,10 +88,13 @@ def train_task(
                 )
 
             accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+            extra: dict = {}
             if config.model in SEQUENCE_MODELS:
                 train_fn, data_dir = train_sequence_model, Path(preprocess.output) / "sequences"
             else:
                 train_fn, data_dir = train_model, Path(shard.output)
+                # Outlives this attempt's staging directory, so that a retry resumes.
+                extra["checkpoint_root"] = resume_root
             result = train_fn(
                 config,
                 data_dir,
@@ -98,6 +105,7 @@ def train_task(
                 on_log=logger.info,
                 on_progress=on_progress,
                 memory_budget=memory_budget(config, accelerator),
+                **extra,
             )
         update_progress_artifact(progress_id, progress=100.0)
         # CTR runs split a step into data/lookup/dense/optimizer; pipelines report "step".
@@ -123,7 +131,18 @@ def train_task(
             markdown=result.memory_plan.table(),
             description="Planned memory per rank (training.memory)",
         )
+        if result.resumed_from_step is not None:
+            logger.info("train resumed from step %d (%s)", result.resumed_from_step, resume_root)
+            create_markdown_artifact(
+                key="train-resume",
+                markdown=f"Resumed from the checkpoint of step {result.resumed_from_step} "
+                f"under `{resume_root}`.",
+                description="Where this training run continued from",
+            )
+        # The stage output holds the final checkpoint; the resume checkpoints are spent.
+        shutil.rmtree(resume_root, ignore_errors=True)
         return {
+            "resumed_from_step": result.resumed_from_step,
             "final_loss": result.final_loss,
             "steps": result.steps,
             "samples_per_s": result.samples_per_s,

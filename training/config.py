@@ -221,6 +221,16 @@ class TrainConfig(BaseModel):
     tensorboard: bool = Field(
         True, description="Write TensorBoard event files to <train output>/tensorboard."
     )
+    checkpoint_every: int = Field(
+        0,
+        ge=0,
+        description="CTR models: save a crash-safe checkpoint every this many optimizer "
+        "steps (0: none before the final one). A retry of the train stage resumes from the "
+        "newest valid checkpoint (same world_size).",
+    )
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Valid resume checkpoints kept (older ones are deleted)."
+    )
     world_size: int = Field(2, ge=1, description="Number of training ranks (processes).")
     seed: int = Field(0, description="Seed of python, numpy and torch on every rank.")
     log_every: int = Field(20, ge=1, description="Report progress every this many steps.")

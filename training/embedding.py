@@ -186,6 +186,31 @@ class ShardedEmbedding:
             state["counts"] = self.counts
         return state
 
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore this shard from `state_dict()` of a shard of the same table and rank.
+
+        Raises:
+            ValueError: A tensor is missing or of another shape (another table, world
+                size or optimizer).
+        """
+        expected = self.state_dict()
+        missing = sorted(set(expected) - set(state))
+        if missing or any(state[k].shape != v.shape for k, v in expected.items() if k in state):
+            raise ValueError(
+                f"embedding shard state does not fit this rank's shard (missing {missing}, "
+                "or shapes differ): it was saved with another table, world size or sparse "
+                "optimizer"
+            )
+        with torch.no_grad():
+            self.weight.copy_(state["weight"])
+            for name in self.state:
+                self.state[name].copy_(state[name])
+            if self.counts is not None:
+                self.counts.copy_(state["counts"])
+        self.steps = int(state["steps"])
+        self._pending_rows.clear()
+        self._pending_grads.clear()
+
     def admitted_rows(self) -> torch.Tensor:
         """(local rows,) bool: which of this shard's rows are admitted."""
         if self.counts is None:

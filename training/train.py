@@ -22,6 +22,7 @@ they are never orphaned.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -34,7 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from data_prep.errors import ConfigError, TrainingCrashed
+from data_prep.errors import (
+    ConfigError,
+    DataError,
+    DeterministicError,
+    SchemaError,
+    TrainingCrashed,
+)
 from training.config import TrainConfig
 from training.data import DatasetMeta, load_dataset_meta
 from training.memory import MemoryPlan, check_memory, plan_memory
@@ -43,6 +50,24 @@ from training.reader import steps_per_epoch
 
 PROGRESS_PREFIX = "RECFORGE_PROGRESS "
 ERROR_PREFIX = "RECFORGE_ERROR "
+RESUME_PREFIX = "RECFORGE_RESUME "
+RESUME_DIR = "resume"
+# Fields that change how a run reports or saves, not what it computes: a retry may
+# change them and still resume.
+_DETERMINISTIC_RANK_ERRORS: dict[str, type[DeterministicError]] = {
+    "ConfigError": ConfigError,
+    "DataError": DataError,
+    "SchemaError": SchemaError,
+    "CheckpointCorrupt": DataError,
+}
+_NOT_FINGERPRINTED = (
+    "log_every",
+    "tensorboard",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "prefetch_batches",
+    "memory_per_rank_gb",
+)
 LAUNCH_FILE = "launch.json"
 TRAIN_CONFIG_FILE = "train_config.json"
 TRAIN_LOG_FILE = "train_log.jsonl"
@@ -75,6 +100,7 @@ class TrainResult:
         step_ms: Mean milliseconds per step in each phase (data, lookup, dense,
             optimizer), averaged over ranks.
         memory_plan: The planner's per-rank memory estimate.
+        resumed_from_step: The checkpoint step the run continued from, None if fresh.
     """
 
     out_dir: Path
@@ -84,6 +110,7 @@ class TrainResult:
     seconds: float
     step_ms: dict[str, float]
     memory_plan: MemoryPlan
+    resumed_from_step: int | None = None
 
 
 def plan_total_steps(config: TrainConfig, meta: DatasetMeta) -> int:
@@ -196,6 +223,7 @@ def train_model(
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     python: str = sys.executable,
     memory_budget: tuple[int, str] | None = None,
+    checkpoint_root: Path | None = None,
 ) -> TrainResult:
     """Train a CTR model with `config.world_size` DeepSpeed ranks on this machine.
 
@@ -214,9 +242,14 @@ def train_model(
         memory_budget: (bytes per rank, where that figure comes from) for the memory
             planner when `train.memory_per_rank_gb` (GiB) is unset; on CPU it is taken
             to be this machine's memory split over the ranks. None skips the check then.
+        checkpoint_root: Where `train.checkpoint_every` checkpoints go (see
+            `training.checkpoint`); a call with the same root and config resumes from
+            the newest valid one. Pass a directory that outlives `out_dir` (the train
+            task uses one per fingerprint) so that a retry resumes. Default
+            `out_dir / "resume"`.
 
     Returns:
-        The run's result.
+        The run's result (`resumed_from_step`: the checkpoint it continued from).
 
     Raises:
         InputNotFoundError: dataset.json or the shard directory is missing.
@@ -253,7 +286,9 @@ def train_model(
         "model_config": model_config,
         "ds_config": build_deepspeed_config(config, config.world_size, total_steps),
         "total_steps": total_steps,
+        "checkpoint_root": str(Path(checkpoint_root or out_dir / RESUME_DIR).resolve()),
     }
+    spec["config_fingerprint"] = config_fingerprint(spec)
     _write_json(out_dir / TRAIN_CONFIG_FILE, spec["train_config"])
     _write_json(out_dir / MODEL_CONFIG_FILE, model_config)
     spec_path = out_dir / LAUNCH_FILE
@@ -269,7 +304,25 @@ def train_model(
         seconds=time.monotonic() - started,
         step_ms=dict(summary.get("step_ms", {})),
         memory_plan=memory_plan,
+        resumed_from_step=summary.get("resumed_from_step"),
     )
+
+
+def config_fingerprint(spec: Mapping[str, Any]) -> str:
+    """sha256 of what a resumed run must share with the run that wrote the checkpoint.
+
+    The train config (less reporting and saving fields), the model and DeepSpeed
+    configs, the step plan and the data's location.
+    """
+    train_config = {k: v for k, v in spec["train_config"].items() if k not in _NOT_FINGERPRINTED}
+    payload = {
+        "train_config": train_config,
+        "model_config": spec["model_config"],
+        "ds_config": spec["ds_config"],
+        "total_steps": spec["total_steps"],
+        "shards_dir": spec["shards_dir"],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def launcher_command(
@@ -310,6 +363,14 @@ def launch_ranks(
         errors = "".join(
             f"\n  rank {report.get('rank')}: {report.get('error')}" for report in rank_errors
         )
+        # A rank that refused its input (config, data, checkpoint) fails the same way on
+        # every retry: report it as deterministic, not as a crash.
+        for report in rank_errors:
+            kind, _, message = str(report.get("error", "")).partition(": ")
+            if kind in _DETERMINISTIC_RANK_ERRORS:
+                raise _DETERMINISTIC_RANK_ERRORS[kind](
+                    f"rank {report.get('rank')}: {message} (log: {out_dir / LAUNCHER_LOG_FILE})"
+                )
         raise TrainingCrashed(
             f"DeepSpeed launcher exited with code {returncode} (log: "
             f"{out_dir / LAUNCHER_LOG_FILE}); rank errors, first one first:"

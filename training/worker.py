@@ -46,9 +46,10 @@ import torch
 import torch.nn.functional as F
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from data_prep.errors import ConfigError
+from training.checkpoint import MANIFEST, CheckpointStore, fsync_tree
 from training.config import TrainConfig
 from training.data import Batch, load_dataset_meta
 from training.embedding import ShardedEmbedding, init_rows, table_offsets
@@ -60,6 +61,7 @@ from training.train import (
     ERROR_PREFIX,
     PHASES,
     PROGRESS_PREFIX,
+    RESUME_PREFIX,
     SUMMARY_FILE,
     TENSORBOARD_DIR,
     TRAIN_LOG_FILE,
@@ -72,6 +74,117 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+# DeepSpeed's tag inside a resume checkpoint (the store names the checkpoint by step).
+DENSE_TAG = "dense"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's python, numpy and torch random states."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore `rng_state()`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def rank_state_file(rank: int) -> str:
+    """File of one rank's RNG states and reader position in a resume checkpoint."""
+    return f"rank-{rank:05d}.pt"
+
+
+def save_resume_checkpoint(
+    store: CheckpointStore,
+    engine: deepspeed.DeepSpeedEngine,
+    sparse: ShardedEmbedding | None,
+    reader: ShardReader,
+    counters: dict[str, int],
+    fingerprint: str,
+) -> None:
+    """Every rank: write its part of a crash-safe checkpoint; rank 0 commits it.
+
+    Layout: DeepSpeed's checkpoint under tag `dense`, one embedding shard and one
+    `rank-RRRRR.pt` (RNG states, reader position) per rank, and the store's manifest
+    (sha256 of every file) whose meta holds the step counters and the config
+    fingerprint. Nothing is visible to a resume until rank 0's commit renames it.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    step = counters["step"]
+    if rank == 0:
+        store.prepare(step)
+    dist.barrier()  # the staging directory exists (and stale files are gone)
+    staging = store.staging_dir(step)
+    engine.save_checkpoint(str(staging), tag=DENSE_TAG)
+    written = [staging / rank_state_file(rank)]
+    torch.save({"rng": rng_state(), "reader": reader.position()}, written[0])
+    if sparse is not None:
+        written.append(staging / sparse_file(rank, world_size))
+        save_file({n: t.contiguous() for n, t in sparse.state_dict().items()}, str(written[-1]))
+    fsync_tree(written)  # rank 0's commit fsyncs the rest; this rank's files may be elsewhere
+    dist.barrier()  # every rank's part is on disk
+    if rank == 0:
+        store.commit(step, {**counters, "world_size": world_size, "fingerprint": fingerprint})
+    dist.barrier()  # committed before anyone goes on (or dies)
+
+
+def load_resume_checkpoint(
+    store: CheckpointStore,
+    engine: deepspeed.DeepSpeedEngine,
+    sparse: ShardedEmbedding | None,
+    reader: ShardReader,
+    fingerprint: str,
+) -> dict[str, int] | None:
+    """Every rank: continue from the newest valid checkpoint, if there is one.
+
+    Rank 0 picks it (verifying every file's sha256, falling back past a partial or
+    corrupt one with a log line) and tells the others its step.
+
+    Returns:
+        The counters saved with it ({"step", "micro_done"}), or None for a fresh start.
+
+    Raises:
+        ConfigError: The checkpoint was written with another config or world size.
+        CheckpointCorrupt: Checkpoints exist but none is valid (never a silent restart).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    chosen = torch.tensor([-1], dtype=torch.int64)
+    if rank == 0:
+        latest = store.latest_valid(strict=True)
+        if latest is not None:
+            chosen[0] = latest.step
+    dist.broadcast(chosen, src=0)
+    if int(chosen[0]) < 0:
+        return None
+    path = store.checkpoint_dir(int(chosen[0]))
+    meta = json.loads((path / MANIFEST).read_text())["meta"]
+    if meta.get("fingerprint") != fingerprint or meta.get("world_size") != world_size:
+        raise ConfigError(
+            f"{path} was written by another train config or world size "
+            f"(world_size {meta.get('world_size')}, now {world_size}); resuming it would mix "
+            "two runs. Restore the config it was written with, or delete "
+            f"{store.root} to start this config from scratch"
+        )
+    engine.load_checkpoint(
+        str(path), tag=DENSE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if sparse is not None:
+        sparse.load_state_dict(load_file(str(path / sparse_file(rank, world_size))))
+    # Our own file, its sha256 verified by the store: numpy's RNG state needs pickle.
+    state = torch.load(path / rank_state_file(rank), weights_only=False)
+    set_rng_state(state["rng"])
+    reader.restore(state["reader"])
+    counters = {"step": int(meta["step"]), "micro_done": int(meta["micro_done"])}
+    if rank == 0:
+        print(RESUME_PREFIX + json.dumps({**counters, "checkpoint": str(path)}), flush=True)
+    return counters
 
 
 def sparse_file(rank: int, world_size: int) -> str:
@@ -219,6 +332,16 @@ def run(spec: dict[str, Any]) -> None:
     final_loss = float("nan")
     rows_updated = 0
     micro_done = step = 0
+    resume_store, resumed = None, None
+    if config.checkpoint_every:
+        resume_store = CheckpointStore(
+            Path(spec["checkpoint_root"]), keep=config.keep_checkpoints, log=print
+        )
+        resumed = load_resume_checkpoint(
+            resume_store, engine, store, reader, spec["config_fingerprint"]
+        )
+        if resumed is not None:
+            step, micro_done = resumed["step"], resumed["micro_done"]
     engine.train()
     started = window_started = time.monotonic()
     batches = iter(reader)
@@ -266,6 +389,12 @@ def run(spec: dict[str, Any]) -> None:
             if micro_done % config.grad_accum_steps:
                 continue
             step += 1
+            if resume_store is not None and step % config.checkpoint_every == 0:
+                if step < total_steps:  # the final state is saved below anyway
+                    counters = {"step": step, "micro_done": micro_done}
+                    save_resume_checkpoint(
+                        resume_store, engine, store, reader, counters, spec["config_fingerprint"]
+                    )
             if step % config.log_every and step != total_steps:
                 continue
             # Every rank reaches these collectives at the same step: same step counts.
@@ -348,6 +477,7 @@ def run(spec: dict[str, Any]) -> None:
             "sparse_rows_updated_rank0": rows_updated,
             "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "reader_position": reader.position(),
+            "resumed_from_step": None if resumed is None else resumed["step"],
         }
         (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     if log_file is not None:
