@@ -102,6 +102,51 @@ def _local_rows(num_rows: int, rank: int, world_size: int) -> int:
     return max(0, (num_rows - rank + world_size - 1) // world_size)
 
 
+def reshard_state(
+    shards: list[dict[str, torch.Tensor]], num_rows: int, rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
+    """One rank's shard state for `world_size` ranks, from the shards of another world size.
+
+    Global row g lives on rank g % W at local index g // W, so the old shard r' of W'
+    holds rows r', r' + W', ... ; the new rank takes every row g with g % W == rank.
+    Per-row tensors (rows, optimizer state, admission counts) move with their row; the
+    step counter is shared.
+
+    Args:
+        shards: `ShardedEmbedding.state_dict()` of every old rank, in rank order
+            (callers may pass lazily loaded tensors; each is read once).
+        num_rows: N, rows of the fused table.
+        rank: The new rank.
+        world_size: The new world size W.
+
+    Returns:
+        The state dict for `ShardedEmbedding.load_state_dict` on the new rank.
+
+    Raises:
+        ValueError: The shards disagree with num_rows or with each other.
+    """
+    old_world = len(shards)
+    rows = torch.arange(rank, num_rows, world_size)  # (n,) global rows of the new shard
+    result: dict[str, torch.Tensor] = {}
+    for old_rank, shard in enumerate(shards):
+        if int(shard["weight"].shape[0]) != _local_rows(num_rows, old_rank, old_world):
+            raise ValueError(
+                f"old shard {old_rank} of {old_world} has {shard['weight'].shape[0]} rows, "
+                f"not the {_local_rows(num_rows, old_rank, old_world)} of a {num_rows}-row table"
+            )
+        mine = rows[rows % old_world == old_rank]  # new rows that old_rank held
+        source = mine // old_world
+        target = mine // world_size
+        for name, tensor in shard.items():
+            if name == "steps":
+                result[name] = tensor.clone()
+                continue
+            if name not in result:
+                result[name] = torch.empty((len(rows), *tensor.shape[1:]), dtype=tensor.dtype)
+            result[name][target] = tensor[source]
+    return result
+
+
 @dataclass
 class LookupContext:
     """What `lookup` remembers for sending the gradients back.

@@ -311,14 +311,23 @@ def train_model(
 def config_fingerprint(spec: Mapping[str, Any]) -> str:
     """sha256 of what a resumed run must share with the run that wrote the checkpoint.
 
-    The train config (less reporting and saving fields), the model and DeepSpeed
-    configs, the step plan and the data's location.
+    The train config (less reporting and saving fields, and the per-rank batch), the
+    global batch and data streams, the model and DeepSpeed configs, the step plan and
+    the data's location.
     """
-    train_config = {k: v for k, v in spec["train_config"].items() if k not in _NOT_FINGERPRINTED}
+    config = TrainConfig.model_validate(spec["train_config"])
+    # The world size may change between runs (the checkpoint is converted and its rows
+    # re-sharded) as long as the global batch and the data streams stay the same.
+    dropped = (*_NOT_FINGERPRINTED, "world_size", "batch_size", "data_streams")
+    train_config = {k: v for k, v in spec["train_config"].items() if k not in dropped}
+    per_rank = ("train_batch_size", "train_micro_batch_size_per_gpu")
+    ds_config = {k: v for k, v in spec["ds_config"].items() if k not in per_rank}
     payload = {
         "train_config": train_config,
+        "global_batch_size": config.global_batch_size(),
+        "data_streams": config.num_data_streams(),
         "model_config": spec["model_config"],
-        "ds_config": spec["ds_config"],
+        "ds_config": ds_config,
         "total_steps": spec["total_steps"],
         "shards_dir": spec["shards_dir"],
     }

@@ -31,11 +31,15 @@ non-zero; the launcher then stops the other ranks.
 from __future__ import annotations
 
 import json
+import os
 import random
 import resource
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +56,7 @@ from data_prep.errors import ConfigError
 from training.checkpoint import MANIFEST, CheckpointStore, fsync_tree
 from training.config import TrainConfig
 from training.data import Batch, load_dataset_meta
-from training.embedding import ShardedEmbedding, init_rows, table_offsets
+from training.embedding import ShardedEmbedding, init_rows, reshard_state, table_offsets
 from training.model import WEIGHTS_FILE, build_arch, build_model
 from training.reader import ShardReader
 from training.train import (
@@ -135,23 +139,41 @@ def save_resume_checkpoint(
     dist.barrier()  # committed before anyone goes on (or dies)
 
 
-def load_resume_checkpoint(
-    store: CheckpointStore,
-    engine: deepspeed.DeepSpeedEngine,
-    sparse: ShardedEmbedding | None,
-    reader: ShardReader,
-    fingerprint: str,
-) -> dict[str, int] | None:
-    """Every rank: continue from the newest valid checkpoint, if there is one.
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run continues from.
+
+    Attributes:
+        path: The committed checkpoint directory.
+        meta: Its manifest's meta (step counters, world_size, fingerprint).
+        dense_dir: Where DeepSpeed loads the dense part from (`path`, or the universal
+            conversion when the world size changed under ZeRO 1-2), under tag `dense`.
+        universal: Whether `dense_dir` is a universal checkpoint.
+    """
+
+    path: Path
+    meta: dict[str, Any]
+    dense_dir: Path
+    universal: bool
+
+
+def find_resume_point(
+    store: CheckpointStore, fingerprint: str, zero_stage: int
+) -> ResumePoint | None:
+    """Every rank: the newest valid checkpoint of this run, prepared for this world size.
 
     Rank 0 picks it (verifying every file's sha256, falling back past a partial or
-    corrupt one with a log line) and tells the others its step.
+    corrupt one with a log line) and tells the others its step. A checkpoint of another
+    world size is resumable: under ZeRO 1-2 rank 0 converts its dense part into
+    DeepSpeed's universal format once (next to the checkpoints, published by rename);
+    the embedding rows are re-sharded when loaded.
 
     Returns:
-        The counters saved with it ({"step", "micro_done"}), or None for a fresh start.
+        The resume point, or None for a fresh start.
 
     Raises:
-        ConfigError: The checkpoint was written with another config or world size.
+        ConfigError: The checkpoint was written by another config, or with another world
+            size under ZeRO-3 (no conversion).
         CheckpointCorrupt: Checkpoints exist but none is valid (never a silent restart).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -165,25 +187,98 @@ def load_resume_checkpoint(
         return None
     path = store.checkpoint_dir(int(chosen[0]))
     meta = json.loads((path / MANIFEST).read_text())["meta"]
-    if meta.get("fingerprint") != fingerprint or meta.get("world_size") != world_size:
+    if meta.get("fingerprint") != fingerprint:
         raise ConfigError(
-            f"{path} was written by another train config or world size "
-            f"(world_size {meta.get('world_size')}, now {world_size}); resuming it would mix "
+            f"{path} was written by another train config (or data); resuming it would mix "
             "two runs. Restore the config it was written with, or delete "
             f"{store.root} to start this config from scratch"
         )
+    if meta["world_size"] == world_size or zero_stage == 0:
+        # ZeRO-0 keeps the whole optimizer state in one file: any world size loads it.
+        return ResumePoint(path, meta, path, universal=False)
+    if zero_stage == 3:
+        raise ConfigError(
+            f"{path} was written by {meta['world_size']} ranks with ZeRO-3, and this run has "
+            f"{world_size}: ZeRO-3 checkpoints are not converted; resume with world_size="
+            f"{meta['world_size']}, or use ZeRO 0-2"
+        )
+    universal = store.root / "universal" / path.name
+    if rank == 0 and not universal.is_dir():
+        _convert_to_universal(path / DENSE_TAG, universal)
+    dist.barrier()  # the conversion is published
+    return ResumePoint(path, meta, universal, universal=True)
+
+
+def _convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
+    """DeepSpeed's ds_to_universal into a staging directory, published by rename."""
+    staging = out_dir.with_name(out_dir.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    command = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(tag_dir),
+        "--output_folder",
+        str(staging / DENSE_TAG),
+        # Our model has no Megatron metadata: DeepSpeed fills in the defaults.
+        "--inject_missing_state",
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ConfigError(
+            f"converting {tag_dir} to a universal checkpoint failed (exit {result.returncode}):"
+            f" {result.stderr[-1500:]}; resume with the world size that wrote it"
+        )
+    fsync_tree(staging)
+    os.replace(staging, out_dir)
+
+
+def load_resume_point(
+    point: ResumePoint,
+    engine: deepspeed.DeepSpeedEngine,
+    sparse: ShardedEmbedding | None,
+    reader: ShardReader,
+    num_rows: int,
+) -> dict[str, int]:
+    """Every rank: load the dense part, its embedding rows, RNG states and reader position.
+
+    Returns:
+        The counters saved with the checkpoint ({"step", "micro_done"}).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    old_world = int(point.meta["world_size"])
     engine.load_checkpoint(
-        str(path), tag=DENSE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        str(point.dense_dir),
+        tag=DENSE_TAG,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
     )
     if sparse is not None:
-        sparse.load_state_dict(load_file(str(path / sparse_file(rank, world_size))))
-    # Our own file, its sha256 verified by the store: numpy's RNG state needs pickle.
-    state = torch.load(path / rank_state_file(rank), weights_only=False)
+        if old_world == world_size:
+            state = load_file(str(point.path / sparse_file(rank, world_size)))
+        else:  # every old shard holds some of this rank's rows
+            shards = [
+                load_file(str(point.path / sparse_file(r, old_world))) for r in range(old_world)
+            ]
+            state = reshard_state(shards, num_rows, rank, world_size)
+        sparse.load_state_dict(state)
+    # Our own file, its sha256 verified by the store: numpy's RNG state needs pickle. The
+    # reader position is global (every rank takes the same steps), so rank 0's serves any
+    # new rank; a new rank without a file of its own takes rank 0's RNG states.
+    own = point.path / rank_state_file(rank)
+    first = torch.load(point.path / rank_state_file(0), weights_only=False)
+    state = torch.load(own, weights_only=False) if own.is_file() else first
     set_rng_state(state["rng"])
-    reader.restore(state["reader"])
-    counters = {"step": int(meta["step"]), "micro_done": int(meta["micro_done"])}
+    reader.restore(first["reader"])
+    counters = {"step": int(point.meta["step"]), "micro_done": int(point.meta["micro_done"])}
     if rank == 0:
-        print(RESUME_PREFIX + json.dumps({**counters, "checkpoint": str(path)}), flush=True)
+        record = {**counters, "checkpoint": str(point.path), "from_world_size": old_world}
+        print(RESUME_PREFIX + json.dumps(record), flush=True)
     return counters
 
 
@@ -301,8 +396,19 @@ def run(spec: dict[str, Any]) -> None:
     else:
         module = build_model(model_config)
         module.embedding.weight.data = init_rows(table_sizes, config.embedding_dim, config.seed)
+    ds_config = spec["ds_config"]
+    resume_store, resume_point = None, None
+    if config.checkpoint_every:
+        resume_store = CheckpointStore(
+            Path(spec["checkpoint_root"]), keep=config.keep_checkpoints, log=print
+        )
+        resume_point = find_resume_point(
+            resume_store, spec["config_fingerprint"], config.zero_stage
+        )
+        if resume_point is not None and resume_point.universal:
+            ds_config = {**ds_config, "checkpoint": {"load_universal": True}}
     engine, _, _, _ = deepspeed.initialize(
-        model=module, model_parameters=module.parameters(), config=spec["ds_config"]
+        model=module, model_parameters=module.parameters(), config=ds_config
     )
     # Half-precision engines hold half weights: the dense input must match them.
     input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
@@ -332,16 +438,10 @@ def run(spec: dict[str, Any]) -> None:
     final_loss = float("nan")
     rows_updated = 0
     micro_done = step = 0
-    resume_store, resumed = None, None
-    if config.checkpoint_every:
-        resume_store = CheckpointStore(
-            Path(spec["checkpoint_root"]), keep=config.keep_checkpoints, log=print
-        )
-        resumed = load_resume_checkpoint(
-            resume_store, engine, store, reader, spec["config_fingerprint"]
-        )
-        if resumed is not None:
-            step, micro_done = resumed["step"], resumed["micro_done"]
+    resumed = None
+    if resume_point is not None:
+        resumed = load_resume_point(resume_point, engine, store, reader, sum(table_sizes))
+        step, micro_done = resumed["step"], resumed["micro_done"]
     engine.train()
     started = window_started = time.monotonic()
     batches = iter(reader)

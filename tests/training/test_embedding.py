@@ -15,6 +15,7 @@ from training.embedding import (
     ADAGRAD_EPS,
     ShardedEmbedding,
     init_rows,
+    reshard_state,
     table_offsets,
 )
 
@@ -215,3 +216,30 @@ def test_weight_decay_adds_l2_to_the_updated_rows_only() -> None:
     untouched = torch.ones(sum(SIZES), dtype=torch.bool)
     untouched[[4, 11]] = False
     assert torch.equal(decayed.weight[untouched], before[untouched])
+
+
+def test_reshard_state_moves_every_row_with_its_optimizer_state() -> None:
+    sizes = [7, 5, 11]  # 23 rows: uneven shards for every world size below
+
+    def shards(world_size: int) -> list[dict]:
+        out = []
+        for rank in range(world_size):
+            shard = ShardedEmbedding(sizes, 4, "lazy_adam", 0.1, 2, 0, rank, world_size)
+            shard.steps = 5
+            local = torch.arange(rank, 23, world_size, dtype=torch.float32)  # global row ids
+            shard.state["exp_avg"] += local[:, None]
+            shard.counts += local.long()
+            out.append(shard.state_dict())
+        return out
+
+    for old, new in [(2, 3), (3, 1), (1, 2), (2, 2)]:
+        source = shards(old)
+        for rank in range(new):
+            moved = reshard_state(source, 23, rank, new)
+            expected = shards(new)[rank]
+            assert moved.keys() == expected.keys()
+            for name in expected:
+                assert torch.equal(moved[name], expected[name]), (old, new, rank, name)
+            target = ShardedEmbedding(sizes, 4, "lazy_adam", 0.1, 2, 0, rank, new)
+            target.load_state_dict(moved)
+            assert target.steps == 5

@@ -136,3 +136,50 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_another_config_is_refused(
             env(),
             checkpoint_root=root,
         )
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "zero_stage"),
+    [(2, 1, 2), (1, 2, 0)],
+    ids=["2-to-1-ranks-zero2-universal", "1-to-2-ranks-zero0"],
+)
+def test_a_checkpoint_resumes_on_another_world_size(
+    make_shards, tmp_path: Path, before: int, after: int, zero_stage: int
+):
+    shards_dir = make_shards(rows_per_file=1024)
+    # Fixed data streams and global batch: every world size sees the same batches.
+    common = {
+        **CONFIG,
+        "max_steps": 28,
+        "checkpoint_every": 8,
+        "log_every": 1,
+        "data_streams": 2,
+        "zero_stage": zero_stage,
+    }
+
+    def config(world_size: int) -> TrainConfig:
+        return TrainConfig(**{**common, "world_size": world_size, "batch_size": 64 // world_size})
+
+    reference: list[dict] = []
+    train_model(
+        config(before), shards_dir, tmp_path / "ref", "cpu", free_port(), env(),
+        on_progress=reference.append,
+    )  # fmt: skip
+    root = tmp_path / "resume"
+    with pytest.raises(Killed):
+        train_model(
+            config(before), shards_dir, tmp_path / "killed", "cpu", free_port(), env(),
+            on_progress=kill_at(10), checkpoint_root=root,
+        )  # fmt: skip
+    continued: list[dict] = []
+    resumed = train_model(
+        config(after), shards_dir, tmp_path / "resumed", "cpu", free_port(), env(),
+        on_progress=continued.append, checkpoint_root=root,
+    )  # fmt: skip
+    assert resumed.resumed_from_step == 8
+    assert [r["step"] for r in continued] == list(range(9, 29))  # the next 20 steps
+    expected = {r["step"]: r["loss"] for r in reference}
+    for record in continued:
+        assert record["loss"] == pytest.approx(expected[record["step"]], rel=1e-5), record
+    if zero_stage:
+        assert (root / "universal" / "step-00000008" / "dense").is_dir()
