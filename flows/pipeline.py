@@ -159,6 +159,9 @@ def build_run_record(
                 "output": out.output,
                 "seconds": out.seconds,
             }
+            if out.meta.get("resumed_from_step") is not None:
+                # A train attempt that continued from a checkpoint says from where.
+                stages[stage]["resumed_from_step"] = out.meta["resumed_from_step"]
         elif error is not None and not any(s["status"] == "failed" for s in stages.values()):
             stages[stage] = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
         else:

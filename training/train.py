@@ -52,6 +52,7 @@ PROGRESS_PREFIX = "RECFORGE_PROGRESS "
 ERROR_PREFIX = "RECFORGE_ERROR "
 RESUME_PREFIX = "RECFORGE_RESUME "
 RESUME_DIR = "resume"
+RANKS_FILE = ".ranks.json"
 # Fields that change how a run reports or saves, not what it computes: a retry may
 # change them and still resume.
 _DETERMINISTIC_RANK_ERRORS: dict[str, type[DeterministicError]] = {
@@ -295,7 +296,9 @@ def train_model(
     _write_json(spec_path, spec)
 
     command = launcher_command(python, config.world_size, master_port, "training.worker", spec_path)
-    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress)
+    # Resumable runs share their checkpoints across attempts: record who writes them.
+    owner = Path(spec["checkpoint_root"]) / RANKS_FILE if config.checkpoint_every else None
+    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner)
     return TrainResult(
         out_dir=out_dir,
         final_loss=float(summary["final_loss"]),
@@ -358,6 +361,7 @@ def launch_ranks(
     out_dir: Path,
     on_log: Callable[[str], None] | None,
     on_progress: Callable[[dict[str, Any]], None] | None,
+    owner_file: Path | None = None,
 ) -> dict[str, Any]:
     """Run the launcher, streaming its output, and return the ranks' train summary.
 
@@ -366,7 +370,7 @@ def launch_ranks(
             reports and the last lines), or it exited 0 without the summary and weights.
     """
     returncode, tail, rank_errors = _run_launcher(
-        command, env, out_dir / LAUNCHER_LOG_FILE, on_log, on_progress
+        command, env, out_dir / LAUNCHER_LOG_FILE, on_log, on_progress, owner_file
     )
     if returncode != 0:
         errors = "".join(
@@ -450,14 +454,22 @@ def _run_launcher(
     log_path: Path,
     on_log: Callable[[str], None] | None,
     on_progress: Callable[[dict[str, Any]], None] | None,
+    owner_file: Path | None = None,
 ) -> tuple[int, list[str], list[dict[str, Any]]]:
     """Run the launcher in its own process group, streaming its merged output.
+
+    With `owner_file`, the ranks' process group is recorded there first, and whatever
+    is left of the group an earlier attempt recorded is killed: when the process that
+    ran the flow died, its ranks (in a session of their own) live on, and must not write
+    into the checkpoints this attempt resumes from.
 
     Returns:
         (exit code, the last output lines, the ranks' error reports in arrival order).
     """
     tail: deque[str] = deque(maxlen=_TAIL_LINES)
     rank_errors: list[dict[str, Any]] = []
+    if owner_file is not None:
+        _reap_previous_ranks(owner_file)
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
             command,
@@ -469,6 +481,9 @@ def _run_launcher(
             bufsize=1,
             start_new_session=True,
         )
+        if owner_file is not None:
+            owner_file.parent.mkdir(parents=True, exist_ok=True)
+            owner_file.write_text(json.dumps({"pgid": process.pid}) + "\n")
         try:
             assert process.stdout is not None  # stdout=PIPE above
             for raw_line in process.stdout:
@@ -491,6 +506,37 @@ def _run_launcher(
             # the launcher and every rank, which share the launcher's process group.
             _kill_group(process)
     return returncode, list(tail), rank_errors
+
+
+def _reap_previous_ranks(owner_file: Path) -> None:
+    """SIGKILL the process group an earlier attempt recorded, if any of it is alive.
+
+    Only a group whose members run DeepSpeed (checked in /proc) is killed, so a reused
+    group id of an unrelated process is left alone.
+    """
+    try:
+        pgid = int(json.loads(owner_file.read_text())["pgid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no earlier attempt, or nothing usable recorded
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue  # exited meanwhile
+        ours = (b"deepspeed", b"training.worker", b"training.pipeline_worker")
+        if int(fields[2]) == pgid and any(mark in cmdline for mark in ours):
+            members.append(int(stat.parent.name))
+    if not members:
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + _KILL_GRACE_S
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in members):
+        time.sleep(0.1)
 
 
 def _parse_record(line: str, prefix: str) -> dict[str, Any] | None:
