@@ -45,6 +45,7 @@ from training.sequence_export import (
     _item_ids,
     _parity_histories,
     load_sequence_model,
+    metrics_lines,
 )
 
 INPUT_NAMES = ("history", "candidates")
@@ -283,11 +284,7 @@ def _model_card(
         "## Metrics",
         "",
     ]
-    if metrics is None:
-        lines.append("Not evaluated.")
-    else:
-        lines += ["| metric | value |", "|---|---|"]
-        lines += [f"| {key} | {value} |" for key, value in metrics.items()]
+    lines += metrics_lines(metrics)
     lines += [
         "",
         "## Parity",

@@ -382,9 +382,9 @@ def run(spec: PipelineSpec) -> None:
     dist.barrier()  # rank 0's files are written before any rank exits
 
 
-def build_layers(spec: PipelineSpec) -> list:
-    """The spec's model as `deepspeed.pipe` layer specs."""
-    args = (
+def _architecture(spec: PipelineSpec) -> tuple[int, int, int, int, int, float]:
+    """The constructor arguments SASRec and BST share, in their order."""
+    return (
         spec.num_items,
         spec.max_length,
         spec.hidden_dim,
@@ -392,6 +392,11 @@ def build_layers(spec: PipelineSpec) -> list:
         spec.num_heads,
         spec.dropout,
     )
+
+
+def build_layers(spec: PipelineSpec) -> list:
+    """The spec's model as `deepspeed.pipe` layer specs."""
+    args = _architecture(spec)
     if spec.model == "bst":
         return build_bst_pipeline_layers(*args, spec.mlp)
     return build_pipeline_layers(*args, spec.item_features)
@@ -399,14 +404,7 @@ def build_layers(spec: PipelineSpec) -> list:
 
 def build_model(spec: PipelineSpec) -> SASRec | BST:
     """The spec's model as one module (what the consolidated weights load into)."""
-    args = (
-        spec.num_items,
-        spec.max_length,
-        spec.hidden_dim,
-        spec.num_blocks,
-        spec.num_heads,
-        spec.dropout,
-    )
+    args = _architecture(spec)
     return BST(*args, spec.mlp) if spec.model == "bst" else SASRec(*args, spec.item_features)
 
 

@@ -479,6 +479,13 @@ def _signature(
     }
 
 
+def metrics_lines(metrics: dict[str, Any] | None) -> list[str]:
+    """The model card's metrics as markdown table lines ("Not evaluated." without any)."""
+    if metrics is None:
+        return ["Not evaluated."]
+    return ["| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in metrics.items())]
+
+
 def _model_card(
     config: ExportConfig,
     model_config: dict[str, Any],
@@ -513,11 +520,7 @@ def _model_card(
         "## Metrics",
         "",
     ]
-    if metrics is None:
-        lines.append("Not evaluated.")
-    else:
-        lines += ["| metric | value |", "|---|---|"]
-        lines += [f"| {key} | {value} |" for key, value in metrics.items()]
+    lines += metrics_lines(metrics)
     lines += [
         "",
         "## Parity",

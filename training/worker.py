@@ -11,7 +11,12 @@ Writes, into the spec's `out_dir`:
 - `train_log.jsonl`: one progress record per logging step (rank 0), also printed as
   `RECFORGE_PROGRESS {...}` lines for the parent to stream;
 - `tensorboard/`: TensorBoard event files (rank 0) when `train.tensorboard` is on;
-- `train_summary.json`: final loss, steps, throughput, time split, memory (rank 0).
+- `train_summary.json`: final loss, steps, throughput, time split, memory, and the step
+  the run resumed from (rank 0);
+
+and, with `train.checkpoint_every`, crash-safe resume checkpoints under the spec's
+`checkpoint_root` (see `save_resume_checkpoint`, `training.checkpoint`): at start the
+ranks continue from the newest valid one, on the same or another world size.
 
 Embeddings: with `train.embeddings: sharded` the table lives in a `ShardedEmbedding`
 (rows sharded over ranks, all-to-all lookups, row-wise sparse optimizer) and
