@@ -48,7 +48,6 @@ C = candidate items, N = negatives per positive, V = num_items.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 
 import torch
@@ -65,11 +64,10 @@ from training.sequence_model import (
     SequenceInputPipe,
     TransformerBlock,
     TransformerBlockPipe,
+    block_parameter_name,
     init_item_table,
+    split_pipeline_state,
 )
-
-# The key a PipelineModule's own state_dict gives the tied item table.
-_TIED_STATE_KEY = f"tied_modules.{TIED_KEY}.weight"
 
 
 def _check_bst_args(
@@ -457,20 +455,10 @@ def bst_pipeline_state_to_model(state: Mapping[str, torch.Tensor]) -> dict[str, 
     Raises:
         ValueError: A name fits no pipeline layer, or a layer is missing.
     """
-    by_layer: dict[int, dict[str, torch.Tensor]] = {}
-    table: torch.Tensor | None = None
-    for name, tensor in state.items():
-        if name == _TIED_STATE_KEY:
-            table = tensor
-            continue
-        match = re.fullmatch(r"(\d+)\.(.+)", name)
-        if match is None:
-            raise ValueError(f"{name!r} is not a BST pipeline parameter name")
-        by_layer.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
-    if 0 in by_layer:
-        table = by_layer.pop(0)["weight"]
-    if table is None:
-        raise ValueError("the pipeline state has no item table (layer 0 or the tied module)")
+    tied, by_layer = split_pipeline_state(state, "BST")
+    if set(tied) != {"weight"}:
+        raise ValueError(f"the BST item table layer holds {sorted(tied)}, not just its weight")
+    table = tied["weight"]
     indices = sorted(by_layer)
     num_blocks = indices[-1] - 4 if indices else 0
     expected = [*range(1, num_blocks + 3), num_blocks + 4]
@@ -484,9 +472,7 @@ def bst_pipeline_state_to_model(state: Mapping[str, torch.Tensor]) -> dict[str, 
         for name, tensor in by_layer[index].items():
             if index in (1, num_blocks + 2, num_blocks + 4):
                 target = name  # "input.*", "final_norm.*", "head.*" as in BST
-            elif name.startswith("block."):
-                target = f"blocks.{index - 2}.{name.removeprefix('block.')}"
             else:
-                raise ValueError(f"layer {index}: {name!r} is not a transformer block name")
+                target = block_parameter_name(index, name)
             result[target] = tensor
     return result

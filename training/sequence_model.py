@@ -635,20 +635,7 @@ def pipeline_state_to_sasrec(state: Mapping[str, torch.Tensor]) -> dict[str, tor
     Raises:
         ValueError: A name fits no pipeline layer, or a layer is missing.
     """
-    by_layer: dict[int, dict[str, torch.Tensor]] = {}
-    tied: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if name.startswith(_TIED_PREFIX):
-            tied[name.removeprefix(_TIED_PREFIX)] = tensor
-            continue
-        match = re.fullmatch(r"(\d+)\.(.+)", name)
-        if match is None:
-            raise ValueError(f"{name!r} is not a SASRec pipeline parameter name")
-        by_layer.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
-    if 0 in by_layer:
-        tied = by_layer.pop(0)
-    if "weight" not in tied:
-        raise ValueError("the pipeline state has no item table (layer 0 or the tied module)")
+    tied, by_layer = split_pipeline_state(state, "SASRec")
     indices = sorted(by_layer)
     # Layers 1..K+2 carry parameters: input, K blocks, final norm (the last layer,
     # the scoring, shares the table and is never saved on its own).
@@ -666,9 +653,57 @@ def pipeline_state_to_sasrec(state: Mapping[str, torch.Tensor]) -> dict[str, tor
                 target = name  # "input.position_embedding.weight"
             elif index == num_blocks + 2:
                 target = name  # "final_norm.weight"
-            elif name.startswith("block."):
-                target = f"blocks.{index - 2}.{name.removeprefix('block.')}"
             else:
-                raise ValueError(f"layer {index}: {name!r} is not a transformer block name")
+                target = block_parameter_name(index, name)
             result[target] = tensor
     return result
+
+
+def split_pipeline_state(
+    state: Mapping[str, torch.Tensor], model: str
+) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """Group pipeline state names into the tied item table's and each layer's.
+
+    Accepts `PipelineModule.state_dict()` names (`tied_modules.item_embedding.<name>`,
+    `<index>.<name>`) and per-layer checkpoint names prefixed with the layer index (the
+    table as layer 0).
+
+    Args:
+        state: Pipeline names -> tensors.
+        model: The model's name, for messages.
+
+    Returns:
+        (the table layer's tensors by name, including "weight"; layer index -> its
+        tensors by name, layer 0 excluded).
+
+    Raises:
+        ValueError: A name fits no pipeline layer, or there is no item table.
+    """
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    tied: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.startswith(_TIED_PREFIX):
+            tied[name.removeprefix(_TIED_PREFIX)] = tensor
+            continue
+        match = re.fullmatch(r"(\d+)\.(.+)", name)
+        if match is None:
+            raise ValueError(f"{name!r} is not a {model} pipeline parameter name")
+        by_layer.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+    if 0 in by_layer:
+        tied = by_layer.pop(0)
+    if "weight" not in tied:
+        raise ValueError("the pipeline state has no item table (layer 0 or the tied module)")
+    return tied, by_layer
+
+
+def block_parameter_name(index: int, name: str) -> str:
+    """The model's name of a `TransformerBlockPipe` parameter at pipeline layer `index`.
+
+    Blocks start at layer 2 (after the table and the input layer).
+
+    Raises:
+        ValueError: `name` is not a block parameter.
+    """
+    if not name.startswith("block."):
+        raise ValueError(f"layer {index}: {name!r} is not a transformer block name")
+    return f"blocks.{index - 2}.{name.removeprefix('block.')}"
