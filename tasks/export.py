@@ -1,6 +1,5 @@
 """Prefect task for the export stage: model package + registry entry."""
 
-import dataclasses
 from pathlib import Path
 
 from prefect import task
@@ -45,24 +44,50 @@ def export_task(
     fp = stage_fingerprint("export", section, upstream, MODULES)
 
     def produce(out_dir: Path) -> dict:
-        transform = Path(preprocess.output) / "transform.json"
-        metrics = Path(evaluate.output) / "metrics.json"
-        if model in SEQUENCE_MODELS:
-            sequences = Path(preprocess.output) / "sequences"
-            args = (config, Path(train.output), transform, sequences, item_field, metrics, out_dir)
-            if model == "bst":
-                result = export_bst_model(*args)
-            else:
-                result = export_sequence_model(*args, k=config.top_k)
-        else:
-            result = export_model(
-                config, Path(train.output), transform, Path(shard.output), metrics, out_dir
+        if model == "bst":
+            bst = export_bst_model(
+                config,
+                Path(train.output),
+                Path(preprocess.output) / "transform.json",
+                Path(preprocess.output) / "sequences",
+                item_field,
+                Path(evaluate.output) / "metrics.json",
+                out_dir,
             )
-        # The parity figures of the result, for the manifest and the run record.
+            return {
+                "parity_rows": bst.parity_rows,
+                "parity_max_abs_diff_onnx": bst.parity_max_abs_diff_onnx,
+                "parity_max_abs_diff_torchscript": bst.parity_max_abs_diff_torchscript,
+            }
+        if model in SEQUENCE_MODELS:
+            exported = export_sequence_model(
+                config,
+                Path(train.output),
+                Path(preprocess.output) / "transform.json",
+                Path(preprocess.output) / "sequences",
+                item_field,
+                Path(evaluate.output) / "metrics.json",
+                out_dir,
+                k=config.top_k,
+            )
+            return {
+                "parity_rows": exported.parity_rows,
+                "top_k_match_onnx": exported.top_k_match_onnx,
+                "top_k_match_torchscript": exported.top_k_match_torchscript,
+                "parity_max_abs_diff_onnx": exported.parity_max_abs_diff_onnx,
+                "parity_max_abs_diff_torchscript": exported.parity_max_abs_diff_torchscript,
+            }
+        result = export_model(
+            config,
+            Path(train.output),
+            Path(preprocess.output) / "transform.json",
+            Path(shard.output),
+            Path(evaluate.output) / "metrics.json",
+            out_dir,
+        )
         return {
-            key: value
-            for key, value in dataclasses.asdict(result).items()
-            if key not in ("out_dir", "files")
+            "parity_max_abs_diff_onnx": result.parity_max_abs_diff_onnx,
+            "parity_max_abs_diff_torchscript": result.parity_max_abs_diff_torchscript,
         }
 
     output = run_stage("export", fp, mode, root, produce)
