@@ -18,3 +18,19 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_deepspeed_buffers():
+    """Unlink the tmpfs buffers that DeepSpeed ranks a test started left in /dev/shm.
+
+    Tests that run the DeepSpeed launcher themselves (not through `launch_ranks`, which
+    releases them) would otherwise leak ~66 MiB of RAM per rank, enough over a suite to
+    get the run OOM-killed.
+    """
+    from training.train import SHM_DIR
+
+    before = set(SHM_DIR.glob("deepspeed_allreduce_buffer_*"))
+    yield
+    for path in set(SHM_DIR.glob("deepspeed_allreduce_buffer_*")) - before:
+        path.unlink(missing_ok=True)

@@ -84,6 +84,11 @@ TRAIN_SPLIT = "train"
 
 _TAIL_LINES = 20
 _KILL_GRACE_S = 10.0
+# DeepSpeed's CPU communication op maps one ~66 MiB tmpfs file per rank, named after
+# the rendezvous address and port, and never unlinks it: every run would leak that much
+# RAM until reboot (a test suite's runs fill /dev/shm and the OOM killer ends the job).
+SHM_DIR = Path("/dev/shm")
+_SHM_BUFFER = "deepspeed_allreduce_buffer"
 # The package root, put on the ranks' PYTHONPATH so they import this very `training`.
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -468,6 +473,7 @@ def _run_launcher(
     """
     tail: deque[str] = deque(maxlen=_TAIL_LINES)
     rank_errors: list[dict[str, Any]] = []
+    master_port = int(command[command.index("--master_port") + 1])
     if owner_file is not None:
         _reap_previous_ranks(owner_file)
     with log_path.open("w") as log_file:
@@ -483,7 +489,8 @@ def _run_launcher(
         )
         if owner_file is not None:
             owner_file.parent.mkdir(parents=True, exist_ok=True)
-            owner_file.write_text(json.dumps({"pgid": process.pid}) + "\n")
+            record = {"pgid": process.pid, "master_port": master_port}
+            owner_file.write_text(json.dumps(record) + "\n")
         try:
             assert process.stdout is not None  # stdout=PIPE above
             for raw_line in process.stdout:
@@ -505,7 +512,25 @@ def _run_launcher(
             # On success this only reaps stragglers; on an exception or Ctrl-C it stops
             # the launcher and every rank, which share the launcher's process group.
             _kill_group(process)
+            release_shm_buffers(master_port)
     return returncode, list(tail), rank_errors
+
+
+def release_shm_buffers(master_port: int) -> list[Path]:
+    """Unlink the shared-memory buffers DeepSpeed's ranks of `master_port` left behind.
+
+    Call it once those ranks are gone (a live rank keeps its mapping, but a rank still
+    starting up would not find its peers' buffers). Returns the files removed.
+    """
+    pattern = f"{_SHM_BUFFER}_{os.getuid()}_*_{master_port}_*"
+    removed = []
+    for path in SHM_DIR.glob(pattern):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        removed.append(path)
+    return removed
 
 
 def _reap_previous_ranks(owner_file: Path) -> None:
@@ -515,9 +540,19 @@ def _reap_previous_ranks(owner_file: Path) -> None:
     group id of an unrelated process is left alone.
     """
     try:
-        pgid = int(json.loads(owner_file.read_text())["pgid"])
+        record = json.loads(owner_file.read_text())
+        pgid = int(record["pgid"])
     except (OSError, ValueError, KeyError, TypeError):
         return  # no earlier attempt, or nothing usable recorded
+    try:
+        _kill_recorded_group(pgid)
+    finally:
+        if isinstance(record.get("master_port"), int):
+            release_shm_buffers(record["master_port"])
+
+
+def _kill_recorded_group(pgid: int) -> None:
+    """SIGKILL process group `pgid` if DeepSpeed ranks are in it, and wait for them."""
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

@@ -17,7 +17,13 @@ from training.data import load_dataset_meta
 from training.embedding import init_rows
 from training.evaluate import evaluate_model
 from training.model import build_model
-from training.train import build_deepspeed_config, plan_total_steps, train_model
+from training.train import (
+    SHM_DIR,
+    build_deepspeed_config,
+    plan_total_steps,
+    release_shm_buffers,
+    train_model,
+)
 
 TINY = {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16], "batch_size": 32}
 
@@ -197,15 +203,12 @@ def test_train_with_deepspeed_on_two_cpu_ranks(
     )
     progress: list[dict] = []
     out = tmp_path / "train"
+    port = free_port()
     result = train_model(
-        config,
-        shards_dir,
-        out,
-        "cpu",
-        free_port(),
-        deepspeed_env(),
-        on_progress=progress.append,
+        config, shards_dir, out, "cpu", port, deepspeed_env(), on_progress=progress.append
     )
+    # DeepSpeed's ranks leave a tmpfs buffer each behind; the launch removes them.
+    assert not list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
     assert result.steps == 8  # half of 16 micro batches per rank
     assert math.isfinite(result.final_loss) and result.samples_per_s > 0
@@ -306,20 +309,40 @@ def test_a_crashing_rank_raises_training_crashed(shards_dir: Path, tmp_path: Pat
     # Only rank 0 reads this file; rank 1 must not be left waiting in a collective.
     (shards_dir / "train-00000-of-00004.parquet").write_bytes(b"not parquet at all")
     started = time.monotonic()
+    port = free_port()
     with pytest.raises(TrainingCrashed, match="exited with code") as error:
         train_model(
             TrainConfig(**TINY, max_steps=4),
             shards_dir,
             tmp_path / "train",
             "cpu",
-            free_port(),
+            port,
             deepspeed_env(),
         )
+    assert not list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     # The root cause, rank 0's, is named first; rank 1 only lost its peer.
     assert "rank errors, first one first:\n  rank 0: ArrowInvalid: Parquet magic bytes" in str(
         error.value
     )
     assert time.monotonic() - started < 90
+
+
+def test_release_shm_buffers_removes_only_that_ports_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("training.train.SHM_DIR", tmp_path)
+    uid = os.getuid()
+    ours = [tmp_path / f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_29500_{r}" for r in (0, 1)]
+    others = [
+        tmp_path / f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_29501_0",  # another run
+        tmp_path / f"deepspeed_allreduce_buffer_{uid + 1}_127.0.0.1_29500_0",  # another user
+        tmp_path / "unrelated_29500_0",
+    ]
+    for path in ours + others:
+        path.write_bytes(b"x")
+    assert sorted(release_shm_buffers(29500)) == sorted(ours)
+    assert [path.exists() for path in ours + others] == [False, False, True, True, True]
+    assert release_shm_buffers(29500) == []
 
 
 def test_the_machine_budget_suggests_fewer_ranks_and_names_features(
