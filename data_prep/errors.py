@@ -39,5 +39,9 @@ class TrainingCrashed(TransientError):
     """The DeepSpeed launcher or one of its ranks exited with a non-zero status."""
 
 
+class Preempted(TrainingCrashed):
+    """The ranks were asked to stop (SIGTERM), checkpointed and exited: a retry resumes."""
+
+
 class DataError(DeterministicError):
     """The data cannot support the requested operation (e.g. an empty split)."""

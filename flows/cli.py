@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -100,8 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (preemption, `kill`) as an orderly exit: `finally` blocks run.
+
+    The train stage's then stops its ranks with SIGTERM, and they save a resume
+    checkpoint before exiting; the rerun continues from it. Prefect records the run as
+    crashed.
+    """
+    raise SystemExit(128 + signum)
+
+
 def _run(args: argparse.Namespace) -> int:
     from flows.config import load_config
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     # Validate before Prefect starts: a bad config fails in a second, with no retries.
     load_config(args.config, args.overrides)

@@ -10,8 +10,12 @@
 A stage writes into a staging directory next to its final place. Publishing
 fsyncs every file, writes ``_manifest.json`` (file list, sizes, sha256, Parquet
 row counts, stage metadata) last, then renames the staging directory into
-place, so a reader never sees half an output. A cache hit is an output whose
-manifest verifies against the files.
+place and fsyncs the parent directory, so a reader never sees half an output: a
+process killed at any point leaves either no output (the staging directory is
+left, named ``.staging-*``) or the whole one. A cache hit is an output whose
+manifest verifies against the files; a published output that does not verify
+has changed on disk since, and is refused (`CorruptOutput`), not silently
+recomputed.
 
 The store is local-filesystem only for now: renames are atomic there.
 """
@@ -20,13 +24,31 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
 import uuid
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from data_prep.errors import DataError
+
 MANIFEST = "_manifest.json"
+# Where `publish` calls its fault hook, in order (the chaos tests kill the process there).
+PUBLISH_POINTS = (
+    "before-manifest",  # every file fsynced, no manifest yet
+    "mid-manifest",  # half of the manifest written (a torn write)
+    "before-rename",  # the manifest complete, the staging directory not yet in place
+    "after-aside",  # an older output of the same fingerprint moved aside, the new not in
+    "after-rename",  # in place; the parent directory not yet fsynced
+)
+# Fault injection for the chaos tests, unset in real runs: "STAGE:POINT" SIGKILLs this
+# process's group when `publish` of STAGE reaches POINT.
+CHAOS_PUBLISH_FAULT = "RECFORGE_CHAOS_PUBLISH_FAULT"
+
+
+class CorruptOutput(DataError):
+    """A published stage output no longer matches its manifest's sizes and sha256."""
 
 
 def fingerprint(stage: str, section: dict, inputs: list[str], code: str) -> str:
@@ -71,23 +93,46 @@ class ArtifactStore:
 
         Returns:
             (manifest, "") when every listed file exists with its size and sha256;
-            (None, why) otherwise.
+            (None, why) when there is no output (never published, or deleted whole).
+
+        Raises:
+            CorruptOutput: The output was published, but its manifest does not parse or
+                a file it lists is missing or has other bytes.
         """
         out = self.output_dir(stage, fp)
         manifest_path = out / MANIFEST
-        if not manifest_path.exists():
+        if not out.exists():
             return None, f"no output at {out}"
+        problem = self._check(out)
+        if problem:
+            raise CorruptOutput(
+                f"the {stage} output {out} was published whole but has changed since: "
+                f"{problem}. Look for the cause (disk, a hand edit), then run the stage "
+                f"again with --force {stage} to replace it"
+            )
+        return json.loads(manifest_path.read_text()), ""
+
+    @staticmethod
+    def _check(out: Path) -> str:
+        """Why the output directory `out` does not match its manifest, or ""."""
+        manifest_path = out / MANIFEST
+        if not manifest_path.exists():
+            # Publishing renames a directory that already holds its manifest.
+            return f"{manifest_path} is missing"
         try:
             manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as err:
-            return None, f"{manifest_path} is not valid JSON ({err})"
-        for rel, entry in manifest["files"].items():
+            files = manifest["files"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            return f"{manifest_path} is not a valid manifest ({err})"
+        for rel, entry in files.items():
             path = out / rel
             if not path.exists():
-                return None, f"{path} listed in the manifest is missing"
-            if path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
-                return None, f"{path} does not match its sha256 in the manifest"
-        return manifest, ""
+                return f"{path} listed in the manifest is missing"
+            if path.stat().st_size != entry["bytes"]:
+                return f"{path} has {path.stat().st_size} bytes, the manifest {entry['bytes']}"
+            if file_sha256(path) != entry["sha256"]:
+                return f"{path} does not match its sha256 in the manifest"
+        return ""
 
     def new_staging(self, stage: str, fp: str) -> Path:
         path = self.root / "stages" / stage / f".staging-{fp[:16]}-{uuid.uuid4().hex[:8]}"
@@ -104,6 +149,8 @@ class ArtifactStore:
                 entry["rows"] = pq.ParquetFile(path).metadata.num_rows
             files[rel] = entry
             _fsync(path)
+        fault = _chaos_fault(stage)
+        fault("before-manifest")
         manifest = {
             "stage": stage,
             "fingerprint": fp,
@@ -111,9 +158,16 @@ class ArtifactStore:
             "files": files,
             "meta": meta,
         }
+        if fault is not _no_fault:
+            torn = json.dumps(manifest, indent=2, default=str)
+            (staging / MANIFEST).write_text(torn[: len(torn) // 2])
+            fault("mid-manifest")
         _write_json_durable(staging / MANIFEST, manifest)
+        fault("before-rename")
         final = self.output_dir(stage, fp)
-        _replace_dir(staging, final)
+        _replace_dir(staging, final, fault)
+        fault("after-rename")
+        _fsync(final.parent)
         return manifest
 
     def keep_failed(self, stage: str, fp: str, staging: Path) -> Path:
@@ -155,6 +209,25 @@ class ArtifactStore:
         return final
 
 
+def _no_fault(point: str) -> None:
+    """No fault injected."""
+
+
+def _chaos_fault(stage: str):
+    """The fault hook `CHAOS_PUBLISH_FAULT` asks for this stage, or `_no_fault`."""
+    target, _, point = os.environ.get(CHAOS_PUBLISH_FAULT, "").partition(":")
+    if target != stage:
+        return _no_fault
+    if point not in PUBLISH_POINTS:
+        raise ValueError(f"{CHAOS_PUBLISH_FAULT}: {point!r} is not one of {PUBLISH_POINTS}")
+
+    def die(name: str) -> None:
+        if name == point:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    return die
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -178,13 +251,18 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _replace_dir(staging: Path, final: Path) -> None:
-    """Rename ``staging`` to ``final``, moving an existing ``final`` aside first."""
+def _replace_dir(staging: Path, final: Path, fault=_no_fault) -> None:
+    """Rename ``staging`` to ``final``, moving an existing ``final`` aside first.
+
+    A death between the two renames leaves no ``final`` (the next run produces it
+    again) and the older output under ``.trash-*``.
+    """
     final.parent.mkdir(parents=True, exist_ok=True)
     trash = None
     if final.exists():
         trash = final.parent / f".trash-{final.name[:16]}-{uuid.uuid4().hex[:8]}"
         os.replace(final, trash)
+        fault("after-aside")
     os.replace(staging, final)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)

@@ -88,13 +88,11 @@ def train_task(
                 )
 
             accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-            extra: dict = {}
             if config.model in SEQUENCE_MODELS:
                 train_fn, data_dir = train_sequence_model, Path(preprocess.output) / "sequences"
             else:
                 train_fn, data_dir = train_model, Path(shard.output)
-                # Outlives this attempt's staging directory, so that a retry resumes.
-                extra["checkpoint_root"] = resume_root
+
             result = train_fn(
                 config,
                 data_dir,
@@ -105,7 +103,8 @@ def train_task(
                 on_log=logger.info,
                 on_progress=on_progress,
                 memory_budget=memory_budget(config, accelerator),
-                **extra,
+                # Outlives this attempt's staging directory, so that a retry resumes.
+                checkpoint_root=resume_root,
             )
         update_progress_artifact(progress_id, progress=100.0)
         # CTR runs split a step into data/lookup/dense/optimizer; pipelines report "step".

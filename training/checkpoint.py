@@ -204,6 +204,10 @@ class CheckpointStore:
         self._log = log if log is not None else _logger.warning
         self._fault = fault
 
+    def with_fault(self, fault: Callable[[str], None]) -> CheckpointStore:
+        """The same store with the test hook `fault` (see `__init__`)."""
+        return CheckpointStore(self.root, self.keep, self._log, fault)
+
     def checkpoint_dir(self, step: int) -> Path:
         """Where the checkpoint of `step` lives once committed.
 

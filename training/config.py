@@ -129,6 +129,13 @@ class TrainConfig(BaseModel):
     num_cross_layers: int = Field(
         2, ge=1, description="Number of DCN-v2 cross layers (used by the 'cross' interaction)."
     )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout probability after every hidden layer of the bottom and top "
+        "MLPs, in training only.",
+    )
     batch_size: int = Field(512, ge=1, description="Micro batch size per rank.")
     grad_accum_steps: int = Field(
         1, ge=1, description="Micro batches accumulated per optimizer step."
@@ -251,6 +258,11 @@ class TrainConfig(BaseModel):
                 raise ValueError(
                     f"train.model={self.model} trains in fp32 or bf16 without offload; set "
                     "precision: fp32 or bf16 and offload_optimizer: false"
+                )
+            if self.dropout:
+                raise ValueError(
+                    f"train.dropout applies to the CTR MLPs; train.model={self.model} takes "
+                    "train.sequence.dropout"
                 )
         elif self.pipeline_stages != 1:
             raise ValueError(

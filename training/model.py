@@ -41,14 +41,19 @@ _MODEL_ARGS = (
     "num_cross_layers",
     "tasks",
     "pooling",
+    "dropout",
 )
+# Arguments added after models were first exported, with the value older models had.
+_ARG_DEFAULTS = {"dropout": 0.0}
 
 
-def _mlp(in_features: int, sizes: list[int]) -> nn.Sequential:
-    """Linear + ReLU for every size in `sizes`."""
+def _mlp(in_features: int, sizes: list[int], dropout: float = 0.0) -> nn.Sequential:
+    """Linear + ReLU (+ dropout, when above 0) for every size in `sizes`."""
     layers: list[nn.Module] = []
     for size in sizes:
         layers += [nn.Linear(in_features, size), nn.ReLU()]
+        if dropout > 0:
+            layers.append(nn.Dropout(dropout))
         in_features = size
     return nn.Sequential(*layers)
 
@@ -78,6 +83,8 @@ class CTRArch(nn.Module):
         num_cross_layers: Cross layers ("cross" only).
         num_tasks: T heads.
         pooling: "sum" or "mean" over a multi-hot feature's ids.
+        dropout: Dropout probability after every hidden layer of both MLPs (training
+            only: scoring and export run in eval mode).
 
     Raises:
         ValueError: An argument is out of range or the sizes do not fit together.
@@ -94,8 +101,11 @@ class CTRArch(nn.Module):
         num_cross_layers: int,
         num_tasks: int,
         pooling: str,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if num_features < 1:
             raise ValueError("num_features: need at least one sparse feature")
         if not bottom_mlp:
@@ -113,7 +123,7 @@ class CTRArch(nn.Module):
         self.pooling = pooling
         # Shared row of each feature for ids not (yet) admitted by frequency admission.
         self.default_rows = nn.Parameter(torch.zeros(num_features, embedding_dim))
-        self.bottom = _mlp(num_dense, bottom_mlp)
+        self.bottom = _mlp(num_dense, bottom_mlp, dropout)
         if interaction == "dot":
             vectors = num_features + 1
             rows, cols = torch.triu_indices(vectors, vectors, offset=1)
@@ -127,7 +137,7 @@ class CTRArch(nn.Module):
             self.cross = nn.ModuleList(
                 nn.Linear(interaction_width, interaction_width) for _ in range(num_cross_layers)
             )
-        self.top = _mlp(interaction_width, top_mlp)
+        self.top = _mlp(interaction_width, top_mlp, dropout)
         self.heads = nn.Linear(top_mlp[-1] if top_mlp else interaction_width, num_tasks)
 
     def forward(
@@ -192,7 +202,7 @@ class CTRModel(nn.Module):
         table_sizes: Rows per feature.
         num_multi_hot: How many of the last features are multi-hot.
         num_dense, embedding_dim, bottom_mlp, top_mlp, interaction, num_cross_layers,
-        pooling: See `CTRArch`.
+        pooling, dropout: See `CTRArch`.
         tasks: Label of each head, in output order.
     """
 
@@ -208,6 +218,7 @@ class CTRModel(nn.Module):
         num_cross_layers: int,
         tasks: list[str],
         pooling: str,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if not 0 <= num_multi_hot <= len(table_sizes):
@@ -228,6 +239,7 @@ class CTRModel(nn.Module):
             num_cross_layers,
             len(tasks),
             pooling,
+            dropout,
         )
 
     def forward(
@@ -273,7 +285,15 @@ def model_config_from(train_config: TrainConfig, dataset_meta: DatasetMeta) -> d
         "num_cross_layers": train_config.num_cross_layers,
         "tasks": dataset_meta.task_labels(train_config.tasks),
         "pooling": train_config.pooling,
+        "dropout": train_config.dropout,
     }
+
+
+def _with_defaults(model_config: Mapping[str, Any]) -> dict[str, Any]:
+    """`model_config` with the arguments older models lack filled in; keys checked."""
+    model_config = {**_ARG_DEFAULTS, **model_config}
+    _check_keys(model_config)
+    return model_config
 
 
 def _check_keys(model_config: Mapping[str, Any]) -> None:
@@ -295,13 +315,13 @@ def build_model(model_config: Mapping[str, Any]) -> CTRModel:
     Raises:
         ValueError: Keys are missing or unknown.
     """
-    _check_keys(model_config)
+    model_config = _with_defaults(model_config)
     return CTRModel(**{name: model_config[name] for name in _MODEL_ARGS})
 
 
 def build_arch(model_config: Mapping[str, Any]) -> CTRArch:
     """Build the `CTRArch` (no table) of a `model_config_from` dict, for sharded training."""
-    _check_keys(model_config)
+    model_config = _with_defaults(model_config)
     return CTRArch(
         len(model_config["table_sizes"]),
         model_config["num_dense"],
@@ -312,6 +332,7 @@ def build_arch(model_config: Mapping[str, Any]) -> CTRArch:
         model_config["num_cross_layers"],
         len(model_config["tasks"]),
         model_config["pooling"],
+        model_config["dropout"],
     )
 
 

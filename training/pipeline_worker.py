@@ -25,8 +25,18 @@ the data-parallel replica, identical on the first and the last stage of a replic
 (replicas get different synthetic streams, or every replicas-th Parquet row). A
 1-stage and a 2-stage run of the same spec thus train the same model on the same data.
 
-The only environment this process reads is what the launcher sets for
-`deepspeed.init_distributed`.
+Resume: with `checkpoint_every` set, the ranks save crash-safe resume checkpoints
+under `checkpoint_root` every that many steps and on SIGTERM (`training.worker`'s
+`save_resume_checkpoint` and `Preemption`: DeepSpeed's pipeline checkpoint, each rank's
+RNG states, a manifest with the config fingerprint). At start they continue from the
+newest valid one, on the world size that wrote it. The micro batch stream is replayed
+from its seed up to the step (drawing batches costs no model compute), and the
+pipeline module's micro batch counter is set to match, since DeepSpeed reseeds every
+layer's forward from it: the resumed run trains on the same batches with the same
+dropout masks.
+
+Besides what the launcher sets for `deepspeed.init_distributed`, this process reads the
+chaos tests' fault-injection variables (see `training.worker`).
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ from deepspeed.runtime.utils import set_random_seed
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import save_file
 
-from data_prep.errors import ConfigError
+from data_prep.errors import ConfigError, Preempted
 from training.bst import (
     BST,
     bst_batch,
@@ -58,6 +68,7 @@ from training.bst import (
     bst_pipeline_state_to_model,
     build_bst_pipeline_layers,
 )
+from training.checkpoint import CheckpointStore
 from training.config import check_pipeline_config
 from training.sequence_model import (
     LOSSES,
@@ -68,8 +79,15 @@ from training.sequence_model import (
     pipeline_state_to_sasrec,
     sample_negatives,
 )
-from training.train import PROGRESS_PREFIX
-from training.worker import rank_main, rss_bytes
+from training.train import PROGRESS_PREFIX, RESUME_PREFIX
+from training.worker import (
+    DENSE_TAG,
+    Preemption,
+    find_resume_point,
+    rank_main,
+    rss_bytes,
+    save_resume_checkpoint,
+)
 
 CHECKPOINT_TAG = "final"
 
@@ -127,6 +145,16 @@ class PipelineSpec(BaseModel):
     weights_file: Path | None = Field(
         default=None,
         description="Consolidated fp32 SASRec weights (safetensors); needs checkpoint_dir.",
+    )
+    checkpoint_every: int = Field(
+        default=0, ge=0, description="Steps between resume checkpoints; 0: none, no resume."
+    )
+    checkpoint_root: Path | None = Field(
+        default=None, description="Resume checkpoints' directory (training.checkpoint)."
+    )
+    keep_checkpoints: int = Field(default=2, ge=1, description="Valid resume checkpoints kept.")
+    config_fingerprint: str = Field(
+        default="", description="What a resume must match (training.sequence_train)."
     )
 
 
@@ -308,6 +336,15 @@ def run(spec: PipelineSpec) -> None:
         engine.grid.get_data_parallel_world_size(),
     )
     data = micro_batches(spec, replica, replicas)
+    resume_store, preemption, start = None, None, 0
+    if spec.checkpoint_every:
+        if spec.checkpoint_root is None:
+            raise ConfigError("checkpoint_every needs checkpoint_root in the pipeline spec")
+        resume_store = CheckpointStore(spec.checkpoint_root, keep=spec.keep_checkpoints, log=print)
+        start = _resume(resume_store, spec, engine, module)
+        for _ in range(start * spec.gradient_accumulation_steps):
+            next(data)  # replay the stream up to the checkpoint
+        preemption = Preemption(engine.device)
     # Sequences per step over all replicas; an epoch is one pass over the train rows.
     samples_per_step = spec.micro_batch_size * spec.gradient_accumulation_steps * replicas
     rows = pq.ParquetFile(spec.sequences).metadata.num_rows if spec.sequences else None
@@ -315,9 +352,21 @@ def run(spec: PipelineSpec) -> None:
     losses: list[float] = []
     started = window_started = time.monotonic()
     try:
-        for step in range(1, spec.steps + 1):
+        for step in range(start + 1, spec.steps + 1):
             # The last stage computes the loss; the engine broadcasts it to every stage.
             losses.append(float(engine.train_batch(data_iter=data)))
+            stop = preemption is not None and preemption.agreed()
+            if resume_store is not None and step < spec.steps:
+                if step % spec.checkpoint_every == 0 or stop:
+                    counters = {"step": step, "micro_done": step * spec.gradient_accumulation_steps}
+                    save_resume_checkpoint(
+                        resume_store, engine, None, None, counters, spec.config_fingerprint
+                    )
+                if stop:
+                    raise Preempted(
+                        f"stopped by SIGTERM after step {step}; its resume checkpoint is "
+                        f"committed under {resume_store.root}"
+                    )
             if spec.train_log is None or (step % spec.log_every and step != spec.steps):
                 continue
             # Every rank reaches this collective at the same step.
@@ -325,14 +374,17 @@ def run(spec: PipelineSpec) -> None:
             memory[rank] = rss_bytes() / 2**20
             dist.all_reduce(memory)
             now = time.monotonic()
-            window = step - (step - 1) // spec.log_every * spec.log_every
+            # The steps since the last record (fewer right after a resume).
+            window = losses[
+                -min(step - (step - 1) // spec.log_every * spec.log_every, step - start) :
+            ]
             record = {
                 "step": step,
                 "total_steps": spec.steps,
-                "loss": sum(losses[-window:]) / window,
-                "samples_per_s": window * samples_per_step / max(now - window_started, 1e-9),
+                "loss": sum(window) / len(window),
+                "samples_per_s": len(window) * samples_per_step / max(now - window_started, 1e-9),
                 "epoch": step * samples_per_step / rows if rows else None,
-                "step_ms": {"step": 1000.0 * (now - window_started) / window},
+                "step_ms": {"step": 1000.0 * (now - window_started) / len(window)},
                 "rss_mb": [round(float(m), 1) for m in memory],
             }
             window_started = now
@@ -365,12 +417,14 @@ def run(spec: PipelineSpec) -> None:
             spec.weights_file.parent.mkdir(parents=True, exist_ok=True)
             save_file(state, str(spec.weights_file))
         window = min(len(losses), spec.log_every)
+        done = spec.steps - start  # this run's steps
         record = {
-            "losses": losses,
+            "losses": losses,  # from step start + 1 on
             "final_loss": sum(losses[-window:]) / window,
             "steps": spec.steps,
             "samples": spec.steps * samples_per_step,
-            "samples_per_s": spec.steps * samples_per_step / max(seconds, 1e-9),
+            "samples_per_s": done * samples_per_step / max(seconds, 1e-9),
+            "resumed_from_step": start or None,
             "world_size": world_size,
             "num_stages": spec.num_stages,
             "parts": [int(part) for part in module.parts],
@@ -380,6 +434,27 @@ def run(spec: PipelineSpec) -> None:
         spec.out.parent.mkdir(parents=True, exist_ok=True)
         spec.out.write_text(json.dumps(record, indent=2) + "\n")
     dist.barrier()  # rank 0's files are written before any rank exits
+
+
+def _resume(store: CheckpointStore, spec: PipelineSpec, engine: Any, module: PipelineModule) -> int:
+    """Every rank: load the newest valid resume checkpoint, if any; returns its step (or 0)."""
+    point = find_resume_point(store, spec.config_fingerprint, spec.zero_stage, convertible=False)
+    if point is None:
+        return 0
+    engine.load_checkpoint(
+        str(point.path), tag=DENSE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    step = int(point.meta["step"])
+    # PipelineModule reseeds each layer's forward from its count of micro batches.
+    module.micro_offset = step * spec.gradient_accumulation_steps
+    if dist.get_rank() == 0:
+        record = {
+            "step": step,
+            "checkpoint": str(point.path),
+            "from_world_size": point.meta["world_size"],
+        }
+        print(RESUME_PREFIX + json.dumps(record), flush=True)
+    return step
 
 
 def _architecture(spec: PipelineSpec) -> tuple[int, int, int, int, int, float]:

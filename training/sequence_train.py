@@ -19,6 +19,7 @@ replicas (ZeRO stage 0 or 1), `train.batch_size` sequences per micro batch and r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -39,6 +40,8 @@ from training.train import (
     LAUNCH_FILE,
     LAUNCHER_LOG_FILE,
     MEMORY_PLAN_FILE,
+    RANKS_FILE,
+    RESUME_DIR,
     SUMMARY_FILE,
     TRAIN_CONFIG_FILE,
     TRAIN_LOG_FILE,
@@ -234,6 +237,7 @@ def train_sequence_model(
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     python: str = sys.executable,
     memory_budget: tuple[int, str] | None = None,
+    checkpoint_root: Path | None = None,
 ) -> TrainResult:
     """Train a sequence model with `config.world_size` DeepSpeed pipeline ranks.
 
@@ -249,9 +253,12 @@ def train_sequence_model(
         python: The interpreter that runs the launcher.
         memory_budget: (bytes per rank, where the figure comes from) when
             `train.memory_per_rank_gb` is unset; None skips the check then.
+        checkpoint_root: Where `train.checkpoint_every` checkpoints go; a call with the
+            same root and config resumes from the newest valid one (on the same world
+            size). Default `out_dir / "resume"`.
 
     Returns:
-        The run's result (step_ms has one phase, "step").
+        The run's result (step_ms has one phase, "step"; `resumed_from_step`).
 
     Raises:
         InputNotFoundError: The sequences are missing.
@@ -310,13 +317,18 @@ def train_sequence_model(
         "train_log": str(out_dir / TRAIN_LOG_FILE),
         "checkpoint_dir": str(out_dir / CHECKPOINT_DIR),
         "weights_file": str(out_dir / WEIGHTS_FILE),
+        "checkpoint_every": config.checkpoint_every,
+        "checkpoint_root": str(Path(checkpoint_root or out_dir / RESUME_DIR).resolve()),
+        "keep_checkpoints": config.keep_checkpoints,
     }
+    spec["config_fingerprint"] = sequence_fingerprint(spec)
     spec_path = out_dir / LAUNCH_FILE
     _write_json(spec_path, spec)
     command = launcher_command(
         python, config.world_size, master_port, "training.pipeline_worker", spec_path
     )
-    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress)
+    owner = Path(spec["checkpoint_root"]) / RANKS_FILE if config.checkpoint_every else None
+    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner)
     return TrainResult(
         out_dir=out_dir,
         final_loss=float(summary["final_loss"]),
@@ -325,4 +337,25 @@ def train_sequence_model(
         seconds=time.monotonic() - started,
         step_ms={"step": 1000.0 * summary["seconds"] / max(int(summary["steps"]), 1)},
         memory_plan=plan,
+        resumed_from_step=summary.get("resumed_from_step"),
     )
+
+
+# Where a pipeline spec's files go, and how often it reports and saves: not what it trains.
+_SPEC_NOT_FINGERPRINTED = (
+    "out",
+    "train_log",
+    "log_every",
+    "checkpoint_dir",
+    "weights_file",
+    "checkpoint_every",
+    "checkpoint_root",
+    "keep_checkpoints",
+    "config_fingerprint",
+)
+
+
+def sequence_fingerprint(spec: Mapping[str, Any]) -> str:
+    """sha256 of what a resumed pipeline run must share with the one that wrote it."""
+    payload = {k: v for k, v in spec.items() if k not in _SPEC_NOT_FINGERPRINTED}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

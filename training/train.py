@@ -39,6 +39,7 @@ from data_prep.errors import (
     ConfigError,
     DataError,
     DeterministicError,
+    Preempted,
     SchemaError,
     TrainingCrashed,
 )
@@ -61,6 +62,7 @@ _DETERMINISTIC_RANK_ERRORS: dict[str, type[DeterministicError]] = {
     "SchemaError": SchemaError,
     "CheckpointCorrupt": DataError,
 }
+_PREEMPTED = "Preempted"
 _NOT_FINGERPRINTED = (
     "log_every",
     "tensorboard",
@@ -84,6 +86,10 @@ TRAIN_SPLIT = "train"
 
 _TAIL_LINES = 20
 _KILL_GRACE_S = 10.0
+# How long stopped ranks get before SIGKILL: with resume checkpoints on, SIGTERM makes
+# them save one at their next step. DeepSpeed's launcher itself waits 30 s for its ranks
+# once it gets SIGTERM.
+_STOP_GRACE_S = 60.0
 # DeepSpeed's CPU communication op maps one ~66 MiB tmpfs file per rank, named after
 # the rendezvous address and port, and never unlinks it: every run would leak that much
 # RAM until reboot (a test suite's runs fill /dev/shm and the OOM killer ends the job).
@@ -389,6 +395,10 @@ def launch_ranks(
                 raise _DETERMINISTIC_RANK_ERRORS[kind](
                     f"rank {report.get('rank')}: {message} (log: {out_dir / LAUNCHER_LOG_FILE})"
                 )
+        preempted = [r for r in rank_errors if str(r.get("error", "")).startswith(_PREEMPTED)]
+        if preempted:
+            _, _, message = str(preempted[0]["error"]).partition(": ")
+            raise Preempted(f"rank {preempted[0].get('rank')}: {message}; a retry resumes there")
         raise TrainingCrashed(
             f"DeepSpeed launcher exited with code {returncode} (log: "
             f"{out_dir / LAUNCHER_LOG_FILE}); rank errors, first one first:"
@@ -533,6 +543,40 @@ def release_shm_buffers(master_port: int) -> list[Path]:
     return removed
 
 
+def _group_members(pgid: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of the live (not zombie) processes in process group `pgid`."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append((int(stat.parent.name), cmdline))
+    return members
+
+
+def unmapped_shm_buffers() -> list[Path]:
+    """This user's DeepSpeed shared-memory buffers that no live process has mapped.
+
+    A rank maps its buffer right after creating it and keeps it mapped until it exits,
+    so these are leftovers of finished or killed runs, safe to unlink.
+    """
+    buffers = set(SHM_DIR.glob(f"{_SHM_BUFFER}_{os.getuid()}_*"))
+    if not buffers:
+        return []
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+        if _SHM_BUFFER in text:
+            mapped.update(p for p in buffers if str(p) in text)
+    return sorted(buffers - mapped)
+
+
 def _reap_previous_ranks(owner_file: Path) -> None:
     """SIGKILL the process group an earlier attempt recorded, if any of it is alive.
 
@@ -553,16 +597,8 @@ def _reap_previous_ranks(owner_file: Path) -> None:
 
 def _kill_recorded_group(pgid: int) -> None:
     """SIGKILL process group `pgid` if DeepSpeed ranks are in it, and wait for them."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue  # exited meanwhile
-        ours = (b"deepspeed", b"training.worker", b"training.pipeline_worker")
-        if int(fields[2]) == pgid and any(mark in cmdline for mark in ours):
-            members.append(int(stat.parent.name))
+    ours = (b"deepspeed", b"training.worker", b"training.pipeline_worker")
+    members = [pid for pid, cmdline in _group_members(pgid) if any(m in cmdline for m in ours)]
     if not members:
         return
     try:
@@ -588,16 +624,19 @@ def _parse_record(line: str, prefix: str) -> dict[str, Any] | None:
 
 
 def _kill_group(process: subprocess.Popen[str]) -> None:
-    """SIGTERM the launcher's process group, then SIGKILL whatever is left of it."""
+    """SIGTERM the launcher's process group, then SIGKILL whatever is left of it.
+
+    The whole group gets the grace, not only the launcher: ranks that checkpoint on
+    SIGTERM outlive the launcher's own exit.
+    """
     try:
         os.killpg(process.pid, signal.SIGTERM)
     except ProcessLookupError:
         process.wait()
         return  # the group is empty: nothing left to stop
-    try:
-        process.wait(timeout=_KILL_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass  # SIGKILL below
+    deadline = time.monotonic() + _STOP_GRACE_S
+    while time.monotonic() < deadline and _group_members(process.pid):
+        time.sleep(0.1)
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:

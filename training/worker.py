@@ -27,8 +27,13 @@ Each step's time is split into data (waiting for the reader), lookup (ids to row
 both all-to-alls), dense (forward and backward) and optimizer (gradients to the
 owners, the dense step, the sparse step).
 
-The only environment this process reads is what the launcher sets for
-`deepspeed.init_distributed` (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...).
+Preemption: with resume checkpoints on, SIGTERM does not kill a rank. The ranks agree
+at the next optimizer step (one all-reduce of a flag per step), save a resume checkpoint
+of that step, and exit with `Preempted`, which the parent retries as a crash.
+
+Besides what the launcher sets for `deepspeed.init_distributed` (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR, ...), this process reads two fault-injection variables that
+only the chaos tests set (see `CHAOS_CHECKPOINT_FAULT`, `CHAOS_SKIP_RESTORE`).
 Any exception prints one `RECFORGE_ERROR {"rank": r, "error": "..."}` line and exits
 non-zero; the launcher then stops the other ranks.
 """
@@ -40,6 +45,7 @@ import os
 import random
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -57,8 +63,8 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from data_prep.errors import ConfigError
-from training.checkpoint import MANIFEST, CheckpointStore, fsync_tree
+from data_prep.errors import ConfigError, Preempted
+from training.checkpoint import FAULT_POINTS, MANIFEST, CheckpointStore, fsync_tree
 from training.config import TrainConfig
 from training.data import Batch, load_dataset_meta
 from training.embedding import ShardedEmbedding, init_rows, reshard_state, table_offsets
@@ -105,6 +111,59 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+# Fault injection for the chaos tests, unset in real runs. "POINT@STEP": rank 0 SIGKILLs
+# its launch while saving the checkpoint of step STEP, at POINT: "mid-file" (DeepSpeed's
+# files written, the ranks' own not yet) or one of `training.checkpoint.FAULT_POINTS`.
+CHAOS_CHECKPOINT_FAULT = "RECFORGE_CHAOS_CHECKPOINT_FAULT"
+# "rng", "reader" or both, comma-separated: resume without restoring them (the negative
+# control that shows the resume test would catch a missing restore).
+CHAOS_SKIP_RESTORE = "RECFORGE_CHAOS_SKIP_RESTORE"
+MID_FILE = "mid-file"
+
+
+def chaos_fault(step: int) -> Callable[[str], None] | None:
+    """Rank 0's fault hook for the checkpoint of `step` per `CHAOS_CHECKPOINT_FAULT`."""
+    setting = os.environ.get(CHAOS_CHECKPOINT_FAULT, "")
+    if not setting or dist.get_rank() != 0:
+        return None
+    point, _, at = setting.partition("@")
+    if point not in (MID_FILE, *FAULT_POINTS) or not at.isdigit():
+        raise ConfigError(
+            f"{CHAOS_CHECKPOINT_FAULT}={setting!r}: expected POINT@STEP with POINT one of "
+            f"{[MID_FILE, *FAULT_POINTS]}"
+        )
+    if int(at) != step:
+        return None
+
+    def die(name: str) -> None:
+        if name == point:
+            # The whole launch, as a node failure would: the peers must not commit.
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    return die
+
+
+class Preemption:
+    """SIGTERM as a request to checkpoint and stop at the next optimizer step.
+
+    Installing it replaces the default SIGTERM action (exit at once) of this process.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.requested = False
+        self._device = device
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """Every rank, at the same step: whether any rank has been asked to stop."""
+        flag = torch.tensor([float(self.requested)], device=self._device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+
 def rank_state_file(rank: int) -> str:
     """File of one rank's RNG states and reader position in a resume checkpoint."""
     return f"rank-{rank:05d}.pt"
@@ -114,14 +173,15 @@ def save_resume_checkpoint(
     store: CheckpointStore,
     engine: deepspeed.DeepSpeedEngine,
     sparse: ShardedEmbedding | None,
-    reader: ShardReader,
+    reader: ShardReader | None,
     counters: dict[str, int],
     fingerprint: str,
 ) -> None:
     """Every rank: write its part of a crash-safe checkpoint; rank 0 commits it.
 
-    Layout: DeepSpeed's checkpoint under tag `dense`, one embedding shard and one
-    `rank-RRRRR.pt` (RNG states, reader position) per rank, and the store's manifest
+    Layout: DeepSpeed's checkpoint under tag `dense` (a pipeline engine's: its layer
+    files), one embedding shard (with `sparse`) and one `rank-RRRRR.pt` (RNG states, and
+    the reader position with `reader`) per rank, and the store's manifest
     (sha256 of every file) whose meta holds the step counters and the config
     fingerprint. Nothing is visible to a resume until rank 0's commit renames it.
     """
@@ -132,8 +192,15 @@ def save_resume_checkpoint(
     dist.barrier()  # the staging directory exists (and stale files are gone)
     staging = store.staging_dir(step)
     engine.save_checkpoint(str(staging), tag=DENSE_TAG)
+    fault = chaos_fault(step)
+    if fault is not None:
+        fault(MID_FILE)
+        store = store.with_fault(fault)
     written = [staging / rank_state_file(rank)]
-    torch.save({"rng": rng_state(), "reader": reader.position()}, written[0])
+    rank_state = {"rng": rng_state()}
+    if reader is not None:
+        rank_state["reader"] = reader.position()
+    torch.save(rank_state, written[0])
     if sparse is not None:
         written.append(staging / sparse_file(rank, world_size))
         save_file({n: t.contiguous() for n, t in sparse.state_dict().items()}, str(written[-1]))
@@ -163,7 +230,7 @@ class ResumePoint:
 
 
 def find_resume_point(
-    store: CheckpointStore, fingerprint: str, zero_stage: int
+    store: CheckpointStore, fingerprint: str, zero_stage: int, convertible: bool = True
 ) -> ResumePoint | None:
     """Every rank: the newest valid checkpoint of this run, prepared for this world size.
 
@@ -171,7 +238,8 @@ def find_resume_point(
     corrupt one with a log line) and tells the others its step. A checkpoint of another
     world size is resumable: under ZeRO 1-2 rank 0 converts its dense part into
     DeepSpeed's universal format once (next to the checkpoints, published by rename);
-    the embedding rows are re-sharded when loaded.
+    the embedding rows are re-sharded when loaded. With `convertible` False (pipeline
+    runs, whose layer files are per stage), only the world size that wrote it resumes.
 
     Returns:
         The resume point, or None for a fresh start.
@@ -197,6 +265,13 @@ def find_resume_point(
             f"{path} was written by another train config (or data); resuming it would mix "
             "two runs. Restore the config it was written with, or delete "
             f"{store.root} to start this config from scratch"
+        )
+    if not convertible and meta["world_size"] != world_size:
+        raise ConfigError(
+            f"{path} was written by {meta['world_size']} pipeline ranks and this run has "
+            f"{world_size}: pipeline checkpoints resume on the world size and stage count "
+            f"that wrote them; set train.world_size={meta['world_size']}, or delete "
+            f"{store.root} to start over"
         )
     if meta["world_size"] == world_size or zero_stage == 0:
         # ZeRO-0 keeps the whole optimizer state in one file: any world size loads it.
@@ -278,8 +353,11 @@ def load_resume_point(
     own = point.path / rank_state_file(rank)
     first = torch.load(point.path / rank_state_file(0), weights_only=False)
     state = torch.load(own, weights_only=False) if own.is_file() else first
-    set_rng_state(state["rng"])
-    reader.restore(first["reader"])
+    skipped = set(filter(None, os.environ.get(CHAOS_SKIP_RESTORE, "").split(",")))
+    if "rng" not in skipped:
+        set_rng_state(state["rng"])
+    if "reader" not in skipped:
+        reader.restore(first["reader"])
     counters = {"step": int(point.meta["step"]), "micro_done": int(point.meta["micro_done"])}
     if rank == 0:
         record = {**counters, "checkpoint": str(point.path), "from_world_size": old_world}
@@ -402,7 +480,7 @@ def run(spec: dict[str, Any]) -> None:
         module = build_model(model_config)
         module.embedding.weight.data = init_rows(table_sizes, config.embedding_dim, config.seed)
     ds_config = spec["ds_config"]
-    resume_store, resume_point = None, None
+    resume_store, resume_point, preemption = None, None, None
     if config.checkpoint_every:
         resume_store = CheckpointStore(
             Path(spec["checkpoint_root"]), keep=config.keep_checkpoints, log=print
@@ -415,6 +493,8 @@ def run(spec: dict[str, Any]) -> None:
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=module.parameters(), config=ds_config
     )
+    if resume_store is not None:
+        preemption = Preemption(engine.device)
     # Half-precision engines hold half weights: the dense input must match them.
     input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
         config.precision, torch.float32
@@ -494,12 +574,18 @@ def run(spec: dict[str, Any]) -> None:
             if micro_done % config.grad_accum_steps:
                 continue
             step += 1
-            if resume_store is not None and step % config.checkpoint_every == 0:
+            stop = preemption is not None and preemption.agreed()
+            if resume_store is not None and (step % config.checkpoint_every == 0 or stop):
                 if step < total_steps:  # the final state is saved below anyway
                     counters = {"step": step, "micro_done": micro_done}
                     save_resume_checkpoint(
                         resume_store, engine, store, reader, counters, spec["config_fingerprint"]
                     )
+                    if stop:
+                        raise Preempted(
+                            f"stopped by SIGTERM after step {step}; its resume checkpoint is "
+                            f"committed under {resume_store.root}"
+                        )
             if step % config.log_every and step != total_steps:
                 continue
             # Every rank reaches these collectives at the same step: same step counts.
@@ -703,7 +789,10 @@ def rank_main(module: str, run_rank: Callable[[Path], None], argv: list[str] | N
     except Exception as error:
         rank = dist.get_rank() if dist.is_initialized() else None
         report = {"rank": rank, "error": f"{type(error).__name__}: {error}"[:2000]}
-        print(ERROR_PREFIX + json.dumps(report), flush=True)
+        # One write(2) of the whole line: the ranks share the pipe, and print's separate
+        # write of the newline lets two ranks' reports run into one unparsable line.
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), (ERROR_PREFIX + json.dumps(report) + "\n").encode())
         raise
     return 0
 

@@ -1,4 +1,4 @@
-"""Chaos: the process running the flow is killed during training; `recforge run` again."""
+"""Chaos: the process running the flow is killed during shard, then during train; rerun."""
 
 import json
 import os
@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
+from tasks.store import CHAOS_PUBLISH_FAULT, ArtifactStore
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -22,8 +23,8 @@ RESUMABLE = ["train.max_steps=120", "train.checkpoint_every=10", "train.log_ever
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 
-def recforge_run(root: Path, raw: Path) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+def recforge_run(root: Path, raw: Path, **extra_env: str) -> subprocess.Popen:
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **extra_env}
     env.pop("PREFECT_API_URL", None)  # each run starts its own temporary Prefect API
     overrides = [arg for item in [f"ingest.path={raw}", *RESUMABLE] for arg in ("--set", item)]
     return subprocess.Popen(
@@ -43,12 +44,27 @@ def finish(process: subprocess.Popen) -> dict:
     return json.loads(Path(out.strip().splitlines()[-1]).read_text())
 
 
-def test_killing_the_flow_during_train_then_rerunning_gives_the_same_model(tmp_path: Path):
+def test_killing_the_flow_during_shard_and_train_then_rerunning_gives_the_same_model(
+    tmp_path: Path,
+):
     raw = tmp_path / "raw"
     generate_logs(load_config(TINY, [f"generate.out={raw}"]).generate)
     reference = finish(recforge_run(tmp_path / "reference", raw))
+    shard_fp = reference["stages"]["shard"]["fingerprint"]
 
     root = tmp_path / "chaos"
+    # The flow's process group is SIGKILLed while shard publishes: its files are written
+    # and the manifest complete, the staging directory not yet renamed into place.
+    victim = recforge_run(root, raw, **{CHAOS_PUBLISH_FAULT: "shard:before-rename"})
+    victim.communicate(timeout=600)
+    assert victim.returncode == -signal.SIGKILL
+    store = ArtifactStore(root)
+    assert store.verify("shard", shard_fp) == (
+        None,
+        f"no output at {store.output_dir('shard', shard_fp)}",
+    )
+    assert list((root / "stages" / "shard").glob(".staging-*"))  # left, and never used
+
     victim = recforge_run(root, raw)
     deadline = time.monotonic() + 300
     # Kill the flow's processes once the first resume checkpoint exists.
@@ -61,10 +77,35 @@ def test_killing_the_flow_during_train_then_rerunning_gives_the_same_model(tmp_p
     os.killpg(victim.pid, signal.SIGKILL)
     victim.communicate(timeout=60)
 
+    manifest, _ = store.verify("shard", shard_fp)  # the second run redid shard whole
+    reference_manifest, _ = ArtifactStore(tmp_path / "reference").verify("shard", shard_fp)
+    assert manifest["files"] == reference_manifest["files"]
+
+    # Preemption: SIGTERM to the flow process alone. It exits in order: its train stage
+    # stops the ranks with SIGTERM, and they save a checkpoint at their next step first.
+    victim = recforge_run(root, raw)
+    deadline = time.monotonic() + 600
+    orphans = json.loads(next(root.glob("checkpoints/train/*/.ranks.json")).read_text())
+    while json.loads(next(root.glob("checkpoints/train/*/.ranks.json")).read_text()) == orphans:
+        assert victim.poll() is None and time.monotonic() < deadline, "no new launch"
+        time.sleep(0.2)  # the new launch has reaped the killed run's orphaned ranks
+    seen = committed_steps(root)
+    while committed_steps(root) == seen:
+        assert victim.poll() is None and time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.2)
+    periodic = max(committed_steps(root))
+    victim.send_signal(signal.SIGTERM)
+    victim.communicate(timeout=120)
+    assert victim.returncode != 0
+    assert not ranks_of(root), "the preempted run left ranks behind"
+    preempted = max(committed_steps(root))
+    assert preempted > periodic  # the checkpoint SIGTERM asked for
+
     record = finish(recforge_run(root, raw))
     stages = record["stages"]
     assert [stages[s]["status"] for s in ("ingest", "preprocess", "shard")] == ["cached"] * 3
-    assert stages["train"]["status"] == "ran" and stages["train"]["resumed_from_step"] >= 10
+    assert stages["train"]["status"] == "ran"
+    assert stages["train"]["resumed_from_step"] == preempted
     expected = load_file(Path(reference["stages"]["train"]["output"]) / "model.safetensors")
     actual = load_file(Path(stages["train"]["output"]) / "model.safetensors")
     for name in expected:
@@ -72,5 +113,18 @@ def test_killing_the_flow_during_train_then_rerunning_gives_the_same_model(tmp_p
     assert record["metrics"] == reference["metrics"]
     # The killed attempt's orphaned ranks were stopped, and the spent checkpoints removed.
     assert not list(root.glob("checkpoints/train/*/step-*"))
-    leftover = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True)
-    assert leftover.stdout.strip() == ""
+    assert not ranks_of(root)
+
+
+def committed_steps(root: Path) -> set[int]:
+    """Steps of the committed resume checkpoints of the run under `root`."""
+    return {
+        int(path.parent.name.removeprefix("step-"))
+        for path in root.glob("checkpoints/train/*/step-*/_manifest.json")
+    }
+
+
+def ranks_of(root: Path) -> str:
+    """The processes whose command line names `root` (the ranks name their launch spec)."""
+    leftover = subprocess.run(["pgrep", "-af", str(root)], capture_output=True, text=True)
+    return leftover.stdout.strip()

@@ -14,6 +14,7 @@ from data_prep.errors import InputNotFoundError, SchemaError
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
 from flows.pipeline import RunParams, pipeline
+from tasks.store import CorruptOutput
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -92,6 +93,19 @@ def test_deleted_output_runs_again(first_run, raw_dir):
     shutil.rmtree(record["stages"]["shard"]["output"])
     again = run(root, raw_dir)
     # Downstream fingerprints depend on upstream fingerprints, not bytes: still cached.
+    assert statuses(again) == ["cached", "cached", "ran", "cached", "cached", "cached"]
+
+
+def test_a_flipped_byte_in_a_cached_output_is_refused_until_forced(first_run, raw_dir):
+    root, record = first_run
+    victim = sorted(Path(record["stages"]["shard"]["output"]).glob("train-*.parquet"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CorruptOutput, match=rf"{victim.name} does not match its sha256"):
+        run(root, raw_dir)
+    # The message says how to replace it; nothing downstream ran on the bad bytes.
+    again = run(root, raw_dir, force=["shard"])
     assert statuses(again) == ["cached", "cached", "ran", "cached", "cached", "cached"]
 
 

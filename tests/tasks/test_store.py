@@ -1,9 +1,25 @@
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
-from tasks.store import ArtifactStore, fingerprint
+from tasks.store import (
+    CHAOS_PUBLISH_FAULT,
+    MANIFEST,
+    PUBLISH_POINTS,
+    ArtifactStore,
+    CorruptOutput,
+    fingerprint,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_fingerprint_changes_with_config_inputs_and_code():
@@ -34,19 +50,92 @@ def test_publish_writes_manifest_last_and_verifies(tmp_path):
     assert found is not None and why == ""
 
 
-def test_verify_rejects_missing_or_corrupt_files(tmp_path):
+def test_verify_refuses_a_published_output_that_changed(tmp_path):
     store = ArtifactStore(tmp_path)
-    assert store.verify("ingest", "0" * 64)[0] is None
+    assert store.verify("ingest", "0" * 64) == (
+        None,
+        f"no output at {store.output_dir('ingest', '0' * 64)}",
+    )
     staging = store.new_staging("ingest", "0" * 64)
     (staging / "a.txt").write_text("hello")
     store.publish("ingest", "0" * 64, staging, {})
-    path = store.output_dir("ingest", "0" * 64) / "a.txt"
+    out = store.output_dir("ingest", "0" * 64)
+    path = out / "a.txt"
 
     path.write_text("hellO")  # same size, one flipped byte
-    manifest, why = store.verify("ingest", "0" * 64)
-    assert manifest is None and "sha256" in why
+    with pytest.raises(CorruptOutput, match=r"a\.txt does not match its sha256.*--force ingest"):
+        store.verify("ingest", "0" * 64)
+    path.write_text("hello!")
+    with pytest.raises(CorruptOutput, match="6 bytes, the manifest 5"):
+        store.verify("ingest", "0" * 64)
     path.unlink()
-    assert "missing" in store.verify("ingest", "0" * 64)[1]
+    with pytest.raises(CorruptOutput, match="missing"):
+        store.verify("ingest", "0" * 64)
+    (out / MANIFEST).write_text("{")
+    with pytest.raises(CorruptOutput, match="not a valid manifest"):
+        store.verify("ingest", "0" * 64)
+    (out / MANIFEST).unlink()
+    with pytest.raises(CorruptOutput, match="_manifest.json is missing"):
+        store.verify("ingest", "0" * 64)
+    shutil.rmtree(out)  # deleted whole: simply no output, the stage runs again
+    assert store.verify("ingest", "0" * 64)[0] is None
+
+
+PUBLISH_SCRIPT = """
+import sys
+from pathlib import Path
+from tasks.store import ArtifactStore
+
+store = ArtifactStore(Path(sys.argv[1]))
+staging = store.new_staging("shard", "f" * 64)
+for index in range(3):
+    (staging / f"part-{index}.bin").write_bytes(bytes([index]) * 100_000)
+store.publish("shard", "f" * 64, staging, {"version": sys.argv[2]})
+"""
+
+
+def publish_in_a_process(root: Path, version: str, fault: str | None) -> int:
+    env = {k: v for k, v in os.environ.items() if k != CHAOS_PUBLISH_FAULT}
+    if fault is not None:
+        env[CHAOS_PUBLISH_FAULT] = f"shard:{fault}"
+    process = subprocess.run(
+        [sys.executable, "-c", PUBLISH_SCRIPT, str(root), version],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,  # the fault kills the process's whole group
+    )
+    return process.returncode
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("point", PUBLISH_POINTS)
+@pytest.mark.parametrize("replacing", [False, True], ids=["first", "replacing"])
+def test_sigkill_at_any_point_of_publish_leaves_old_or_new_whole(
+    tmp_path: Path, point: str, replacing: bool
+) -> None:
+    store = ArtifactStore(tmp_path)
+    if replacing:
+        assert publish_in_a_process(tmp_path, "old", None) == 0
+    reached = replacing or point != "after-aside"  # a first publish moves nothing aside
+    returncode = publish_in_a_process(tmp_path, "new", point)
+    assert returncode == (-signal.SIGKILL if reached else 0)
+
+    manifest, _ = store.verify("shard", "f" * 64)  # never raises CorruptOutput
+    renamed = PUBLISH_POINTS.index(point) >= PUBLISH_POINTS.index("after-rename")
+    if renamed or not reached:
+        expected = "new"
+    elif replacing and point != "after-aside":
+        expected = "old"
+    else:  # nothing was there, or the old output was moved aside: no output, run again
+        expected = None
+    assert (manifest["meta"]["version"] if manifest else None) == expected
+    # The rerun publishes cleanly over whatever the kill left.
+    assert publish_in_a_process(tmp_path, "rerun", None) == 0
+    manifest, _ = store.verify("shard", "f" * 64)
+    assert manifest["meta"] == {"version": "rerun"}
 
 
 def test_republish_replaces_the_old_output(tmp_path):

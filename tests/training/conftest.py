@@ -119,6 +119,12 @@ def make_shards(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
+@pytest.fixture(scope="module")
+def module_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `shards_dir` data, written once for a test module's tests to share."""
+    return write_shards(tmp_path_factory.mktemp("module") / "shards")
+
+
 @pytest.fixture
 def shards_dir(make_shards: Callable[..., Path]) -> Path:
     """A default fabricated shard directory (4 train, 1 valid, 2 test files of 256 rows)."""

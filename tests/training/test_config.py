@@ -80,3 +80,11 @@ def test_inconsistent_settings_name_the_fields_to_change(override: dict, names: 
 def test_data_streams_default_to_the_world_size() -> None:
     assert TrainConfig(world_size=4, batch_size=8).num_data_streams() == 4
     assert TrainConfig(world_size=1, data_streams=2, batch_size=8).num_data_streams() == 2
+
+
+def test_dropout_is_for_the_ctr_mlps() -> None:
+    assert TrainConfig(dropout=0.1).dropout == 0.1
+    with pytest.raises(ValidationError, match="train.sequence.dropout"):
+        TrainConfig(model="sasrec", world_size=1, dropout=0.1)
+    with pytest.raises(ValidationError, match="less than 1"):
+        TrainConfig(dropout=1.0)

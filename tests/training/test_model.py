@@ -176,10 +176,28 @@ def test_model_config_round_trips_through_json(interaction: str) -> None:
 
 def test_build_model_rejects_unknown_and_missing_keys() -> None:
     build_model(MODEL_ARGS)
-    with pytest.raises(ValueError, match="unknown keys \\['dropout'\\]"):
-        build_model({**MODEL_ARGS, "dropout": 0.1})
+    with pytest.raises(ValueError, match="unknown keys \\['drop_rate'\\]"):
+        build_model({**MODEL_ARGS, "drop_rate": 0.1})
     with pytest.raises(ValueError, match="missing keys \\['top_mlp'\\]"):
         build_model({k: v for k, v in MODEL_ARGS.items() if k != "top_mlp"})
+    # Models exported before dropout existed load as dropout 0.
+    assert "dropout" not in MODEL_ARGS
+    assert not any(isinstance(m, torch.nn.Dropout) for m in build_model(MODEL_ARGS).modules())
+
+
+def test_dropout_is_active_in_training_only() -> None:
+    model = build_model({**MODEL_ARGS, "dropout": 0.5})
+    assert sum(isinstance(m, torch.nn.Dropout) for m in model.modules()) == len(
+        MODEL_ARGS["bottom_mlp"]
+    ) + len(MODEL_ARGS["top_mlp"])
+    sparse, dense, multi = make_inputs()
+    torch.manual_seed(0)
+    first, second = model(sparse, dense, multi), model(sparse, dense, multi)
+    assert not torch.equal(first, second)
+    model.eval()
+    torch.testing.assert_close(model(sparse, dense, multi), model(sparse, dense, multi))
+    with pytest.raises(ValueError, match="dropout must be in"):
+        build_model({**MODEL_ARGS, "dropout": 1.0})
 
 
 @pytest.mark.parametrize("interaction", ["dot", "cross"])

@@ -1,5 +1,6 @@
 import json
 import math
+import mmap
 import os
 import socket
 import stat
@@ -23,6 +24,7 @@ from training.train import (
     plan_total_steps,
     release_shm_buffers,
     train_model,
+    unmapped_shm_buffers,
 )
 
 TINY = {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16], "batch_size": 32}
@@ -343,6 +345,19 @@ def test_release_shm_buffers_removes_only_that_ports_buffers(
     assert sorted(release_shm_buffers(29500)) == sorted(ours)
     assert [path.exists() for path in ours + others] == [False, False, True, True, True]
     assert release_shm_buffers(29500) == []
+
+
+def test_unmapped_shm_buffers_leaves_the_ones_in_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("training.train.SHM_DIR", tmp_path)
+    uid = os.getuid()
+    live, leaked = (tmp_path / f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_1_{r}" for r in (0, 1))
+    for path in (live, leaked):
+        path.write_bytes(b"\0" * 4096)
+    with live.open("r+b") as handle, mmap.mmap(handle.fileno(), 4096):  # as a rank maps it
+        assert unmapped_shm_buffers() == [leaked]
+    assert unmapped_shm_buffers() == sorted([live, leaked])
 
 
 def test_the_machine_budget_suggests_fewer_ranks_and_names_features(
