@@ -1,4 +1,4 @@
-"""The `recforge` command line: run, generate, serve, ui."""
+"""The `recforge` command line: run, generate, serve, ui, models."""
 
 import argparse
 import json
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from data_prep.errors import RecforgeError
+from data_prep.errors import InputNotFoundError, RecforgeError
 
 # tasks.common.STAGES, spelled out so argument errors need no Prefect import (a test keeps
 # them equal).
@@ -79,6 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     ui = commands.add_parser("ui", help="start a local Prefect server (SQLite) and print its URL")
     ui.add_argument("--port", type=int, default=4200)
+
+    models = commands.add_parser("models", help="the model registry: versions and champion")
+    models.add_argument("--root", default="artifacts", help="artifact store root")
+    models.add_argument("--model", default="ctr", help="model name (export.model_name)")
+    actions = models.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="every version, the champion marked")
+    show = actions.add_parser("show", help="one version: package, decision, metrics")
+    show.add_argument("version", nargs="?", help="default: the champion")
+    promote = actions.add_parser("promote", help="make a version the champion (by hand)")
+    promote.add_argument("version")
+    promote.add_argument("--reason", default="promoted by hand", help="kept in the history")
+    rollback = actions.add_parser("rollback", help="make the previous champion the champion")
+    rollback.add_argument("--reason", default="rollback", help="kept in the history")
     return parser
 
 
@@ -95,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "models":
+            return _models(args)
         return _ui(args)
     except RecforgeError as err:
         print(f"recforge: error: {err}", file=sys.stderr)
@@ -144,6 +159,42 @@ def _run(args: argparse.Namespace) -> int:
     print(f"metrics: {metrics}")
     print(f"model: {record['model']}")
     print(path)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from tasks.registry import Registry
+
+    registry = Registry(args.root, args.model)
+    if args.action == "list":
+        versions = registry.versions()
+        if not versions:
+            print(f"no versions of {args.model!r} under {registry.root}")
+            return 0
+        for version in versions:
+            blessed = {True: "blessed", False: "not blessed", None: "-"}[version.blessed]
+            marker = "*" if version.champion else " "
+            print(f"{marker} {version.name}  {version.created}  {blessed}  {version.path}")
+        return 0
+    if args.action == "show":
+        name = args.version or registry.champion()
+        if name is None:
+            raise InputNotFoundError(f"{args.model!r} has no champion yet; name a version")
+        path = registry.path(name)
+        info = {
+            "version": name,
+            "path": str(path),
+            "champion": name == registry.champion(),
+            "decision": registry.decision(name),
+        }
+        print(json.dumps(info, indent=2))
+        return 0
+    before = registry.champion()
+    if args.action == "promote":
+        record = registry.promote(args.version, args.reason)
+    else:
+        record = registry.rollback(args.reason)
+    print(f"champion of {args.model}: {record['version']} (was {before})")
     return 0
 
 

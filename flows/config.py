@@ -17,6 +17,7 @@ from data_prep.preprocess import PreprocessConfig
 from data_prep.schema import SchemaConfig
 from data_prep.shard import ShardConfig
 from data_prep.synthetic import GenerateConfig
+from training.blessing import BlessConfig
 from training.config import EvaluateConfig, ExportConfig, TrainConfig
 
 
@@ -39,6 +40,10 @@ class PipelineConfig(BaseModel):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
+    bless: BlessConfig = Field(
+        default=BlessConfig(),
+        description="When an exported model may replace the registry's champion.",
+    )
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:

@@ -4,14 +4,17 @@ import time
 import uuid
 
 from prefect import flow, runtime
+from prefect.flow_runs import pause_flow_run
+from prefect.input import RunInput
 from pydantic import BaseModel, Field
 
-from flows.config import load_config
+from flows.config import PipelineConfig, load_config
 from tasks.common import STAGES, Mode, Stage, StageOutput
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
 from tasks.ingest import ingest_task
 from tasks.preprocess import preprocess_task
+from tasks.promote import bless_task, promote_task
 from tasks.shard import shard_task
 from tasks.store import ArtifactStore
 from tasks.train import train_task
@@ -56,6 +59,13 @@ def plan_modes(params: RunParams) -> dict[Stage, Mode]:
     return modes
 
 
+class Approval(RunInput):
+    """What the Prefect UI asks before a blessed model is promoted."""
+
+    approve: bool = Field(description="Promote this model to champion.")
+    note: str = Field(default="", description="Why (kept with the decision).")
+
+
 def _result(state) -> StageOutput:
     # Tasks return a Cached state on a cache hit; .result() unwraps both kinds.
     return state.result()
@@ -73,6 +83,7 @@ def pipeline(params: RunParams) -> str:
     root = params.root
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{str(runtime.flow_run.id or uuid.uuid4())[:8]}"
     outputs: dict[str, StageOutput] = {}
+    promotion: dict = {}
     error: BaseException | None = None
     try:
         outputs["ingest"] = _result(
@@ -135,14 +146,50 @@ def pipeline(params: RunParams) -> str:
                 return_state=True,
             )
         )
+        promotion = bless_task(
+            config.bless,
+            config.evaluate,
+            config.train.model,
+            config.export.model_name,
+            outputs["evaluate"],
+            outputs["export"],
+            outputs["shard"],
+            outputs["preprocess"],
+            root,
+        )
+        if promotion["status"] == "blessed":
+            promotion = _promote(config, promotion, root)
     except BaseException as err:  # recorded in the run record, then re-raised
         error = err
     record = build_run_record(run_id, params, outputs, error)
+    record["promotion"] = promotion
     path = ArtifactStore(root).write_run_record(run_id, record)
     print(f"run record: {path}")
     if error is not None:
         raise error
     return str(path)
+
+
+def _promote(config: PipelineConfig, blessed: dict, root: str) -> dict:
+    """Ask for approval when configured, then move the champion pointer."""
+    if config.bless.require_approval:
+        try:
+            answer = pause_flow_run(
+                wait_for_input=Approval.with_initial_data(
+                    description=f"Promote {config.export.model_name} {blessed['version']} "
+                    f"(champion now: {blessed['champion'] or 'none'})?",
+                    approve=False,
+                ),
+                timeout=config.bless.approval_timeout_s,
+            )
+        except Exception as error:  # the pause timed out or was aborted: no means no
+            return {**blessed, "status": "not_approved", "approval": f"{error}"}
+        if not answer.approve:
+            return {**blessed, "status": "not_approved", "approval": answer.note}
+        blessed = {**blessed, "approval": answer.note or "approved"}
+    reason = blessed.get("approval") or "blessed by the gate"
+    promote_task(config.export.model_name, blessed["version"], root, reason)
+    return {**blessed, "status": "promoted", "champion": blessed["version"]}
 
 
 def build_run_record(

@@ -103,7 +103,7 @@ class ArtifactStore:
         manifest_path = out / MANIFEST
         if not out.exists():
             return None, f"no output at {out}"
-        problem = self._check(out)
+        problem = check_output_dir(out)
         if problem:
             raise CorruptOutput(
                 f"the {stage} output {out} was published whole but has changed since: "
@@ -111,28 +111,6 @@ class ArtifactStore:
                 f"again with --force {stage} to replace it"
             )
         return json.loads(manifest_path.read_text()), ""
-
-    @staticmethod
-    def _check(out: Path) -> str:
-        """Why the output directory `out` does not match its manifest, or ""."""
-        manifest_path = out / MANIFEST
-        if not manifest_path.exists():
-            # Publishing renames a directory that already holds its manifest.
-            return f"{manifest_path} is missing"
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            files = manifest["files"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            return f"{manifest_path} is not a valid manifest ({err})"
-        for rel, entry in files.items():
-            path = out / rel
-            if not path.exists():
-                return f"{path} listed in the manifest is missing"
-            if path.stat().st_size != entry["bytes"]:
-                return f"{path} has {path.stat().st_size} bytes, the manifest {entry['bytes']}"
-            if file_sha256(path) != entry["sha256"]:
-                return f"{path} does not match its sha256 in the manifest"
-        return ""
 
     def new_staging(self, stage: str, fp: str) -> Path:
         path = self.root / "stages" / stage / f".staging-{fp[:16]}-{uuid.uuid4().hex[:8]}"
@@ -207,6 +185,28 @@ class ArtifactStore:
         shutil.copytree(package_dir, staging)
         _replace_dir(staging, final)
         return final
+
+
+def check_output_dir(out: Path) -> str:
+    """Why the output directory `out` does not match its manifest, or ""."""
+    manifest_path = out / MANIFEST
+    if not manifest_path.exists():
+        # Publishing renames a directory that already holds its manifest.
+        return f"{manifest_path} is missing"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        return f"{manifest_path} is not a valid manifest ({err})"
+    for rel, entry in files.items():
+        path = out / rel
+        if not path.exists():
+            return f"{path} listed in the manifest is missing"
+        if path.stat().st_size != entry["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, the manifest {entry['bytes']}"
+        if file_sha256(path) != entry["sha256"]:
+            return f"{path} does not match its sha256 in the manifest"
+    return ""
 
 
 def _no_fault(point: str) -> None:

@@ -26,12 +26,12 @@ def _no_leaked_deepspeed_buffers():
 
     Tests that run the DeepSpeed launcher themselves (not through `launch_ranks`, which
     releases them) would otherwise leak ~66 MiB of RAM per rank, enough over a suite to
-    get the run OOM-killed. Only buffers no live process maps are removed: another test
-    session's ranks may be starting up next to this one.
+    get the run OOM-killed. Only buffers no live process maps are removed, and only
+    once they are a minute old: another test session's ranks may be starting up next to
+    this one. Leftovers of this test's last minute go at a later test's teardown.
     """
-    from training.train import SHM_DIR, unmapped_shm_buffers
+    from training.train import unmapped_shm_buffers
 
-    before = set(SHM_DIR.glob("deepspeed_allreduce_buffer_*"))
     yield
-    for path in set(unmapped_shm_buffers()) - before:
+    for path in unmapped_shm_buffers():
         path.unlink(missing_ok=True)

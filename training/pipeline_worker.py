@@ -35,8 +35,8 @@ pipeline module's micro batch counter is set to match, since DeepSpeed reseeds e
 layer's forward from it: the resumed run trains on the same batches with the same
 dropout masks.
 
-Besides what the launcher sets for `deepspeed.init_distributed`, this process reads the
-chaos tests' fault-injection variables (see `training.worker`).
+The only environment this process reads is what the launcher sets for
+`deepspeed.init_distributed`; fault injection arrives in the spec's `chaos`.
 """
 
 from __future__ import annotations
@@ -155,6 +155,9 @@ class PipelineSpec(BaseModel):
     keep_checkpoints: int = Field(default=2, ge=1, description="Valid resume checkpoints kept.")
     config_fingerprint: str = Field(
         default="", description="What a resume must match (training.sequence_train)."
+    )
+    chaos: dict[str, Any] = Field(
+        default={}, description="Fault injection of the chaos tests (training.train)."
     )
 
 
@@ -360,7 +363,13 @@ def run(spec: PipelineSpec) -> None:
                 if step % spec.checkpoint_every == 0 or stop:
                     counters = {"step": step, "micro_done": step * spec.gradient_accumulation_steps}
                     save_resume_checkpoint(
-                        resume_store, engine, None, None, counters, spec.config_fingerprint
+                        resume_store,
+                        engine,
+                        None,
+                        None,
+                        counters,
+                        spec.config_fingerprint,
+                        spec.chaos.get("checkpoint_fault", ""),
                     )
                 if stop:
                     raise Preempted(

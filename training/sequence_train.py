@@ -49,6 +49,7 @@ from training.train import (
     _launcher_env,
     _plan_record,
     _write_json,
+    chaos_settings,
     launch_ranks,
     launcher_command,
 )
@@ -322,6 +323,7 @@ def train_sequence_model(
         "keep_checkpoints": config.keep_checkpoints,
     }
     spec["config_fingerprint"] = sequence_fingerprint(spec)
+    spec["chaos"] = chaos_settings(env)
     spec_path = out_dir / LAUNCH_FILE
     _write_json(spec_path, spec)
     command = launcher_command(

@@ -94,6 +94,15 @@ _STOP_GRACE_S = 60.0
 # the rendezvous address and port, and never unlinks it: every run would leak that much
 # RAM until reboot (a test suite's runs fill /dev/shm and the OOM killer ends the job).
 SHM_DIR = Path("/dev/shm")
+# Fault injection for the chaos tests, read from the `env` a caller passes (never from
+# this process's environment) into the launch spec's "chaos"; unset in real runs.
+# "POINT@STEP": rank 0 SIGKILLs its launch while saving the checkpoint of step STEP, at
+# POINT: "mid-file" (DeepSpeed's files written, the ranks' own not yet) or one of
+# `training.checkpoint.FAULT_POINTS`.
+CHAOS_CHECKPOINT_FAULT = "RECFORGE_CHAOS_CHECKPOINT_FAULT"
+# "rng", "reader" or both, comma-separated: resume without restoring them (the negative
+# control that shows the resume test would catch a missing restore).
+CHAOS_SKIP_RESTORE = "RECFORGE_CHAOS_SKIP_RESTORE"
 _SHM_BUFFER = "deepspeed_allreduce_buffer"
 # The package root, put on the ranks' PYTHONPATH so they import this very `training`.
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -301,6 +310,7 @@ def train_model(
         "checkpoint_root": str(Path(checkpoint_root or out_dir / RESUME_DIR).resolve()),
     }
     spec["config_fingerprint"] = config_fingerprint(spec)
+    spec["chaos"] = chaos_settings(env)
     _write_json(out_dir / TRAIN_CONFIG_FILE, spec["train_config"])
     _write_json(out_dir / MODEL_CONFIG_FILE, model_config)
     spec_path = out_dir / LAUNCH_FILE
@@ -346,6 +356,16 @@ def config_fingerprint(spec: Mapping[str, Any]) -> str:
         "shards_dir": spec["shards_dir"],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def chaos_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """The launch spec's "chaos" from the caller's `env` (see `CHAOS_CHECKPOINT_FAULT`)."""
+    settings: dict[str, Any] = {}
+    if env.get(CHAOS_CHECKPOINT_FAULT):
+        settings["checkpoint_fault"] = env[CHAOS_CHECKPOINT_FAULT]
+    if env.get(CHAOS_SKIP_RESTORE):
+        settings["skip_restore"] = [s for s in env[CHAOS_SKIP_RESTORE].split(",") if s]
+    return settings
 
 
 def launcher_command(
@@ -557,13 +577,21 @@ def _group_members(pgid: int) -> list[tuple[int, bytes]]:
     return members
 
 
-def unmapped_shm_buffers() -> list[Path]:
+def unmapped_shm_buffers(min_age_s: float = 60.0) -> list[Path]:
     """This user's DeepSpeed shared-memory buffers that no live process has mapped.
 
-    A rank maps its buffer right after creating it and keeps it mapped until it exits,
-    so these are leftovers of finished or killed runs, safe to unlink.
+    A rank maps its buffer once it has written it (~66 MiB, which takes a moment) and
+    keeps it mapped until it exits, so a buffer unmapped and older than `min_age_s` is
+    a leftover of a finished or killed run, safe to unlink.
     """
-    buffers = set(SHM_DIR.glob(f"{_SHM_BUFFER}_{os.getuid()}_*"))
+    cutoff = time.time() - min_age_s
+    buffers = set()
+    for path in SHM_DIR.glob(f"{_SHM_BUFFER}_{os.getuid()}_*"):
+        try:
+            if path.stat().st_mtime < cutoff:
+                buffers.add(path)
+        except FileNotFoundError:
+            continue  # removed meanwhile
     if not buffers:
         return []
     mapped = set()

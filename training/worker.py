@@ -31,9 +31,10 @@ Preemption: with resume checkpoints on, SIGTERM does not kill a rank. The ranks 
 at the next optimizer step (one all-reduce of a flag per step), save a resume checkpoint
 of that step, and exit with `Preempted`, which the parent retries as a crash.
 
-Besides what the launcher sets for `deepspeed.init_distributed` (RANK, LOCAL_RANK,
-WORLD_SIZE, MASTER_ADDR, ...), this process reads two fault-injection variables that
-only the chaos tests set (see `CHAOS_CHECKPOINT_FAULT`, `CHAOS_SKIP_RESTORE`).
+The only environment this process reads is what the launcher sets for
+`deepspeed.init_distributed` (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); the
+chaos tests' fault injection arrives in the spec's `chaos` (`training.train`'s
+`chaos_settings`).
 Any exception prints one `RECFORGE_ERROR {"rank": r, "error": "..."}` line and exits
 non-zero; the launcher then stops the other ranks.
 """
@@ -71,6 +72,7 @@ from training.embedding import ShardedEmbedding, init_rows, reshard_state, table
 from training.model import WEIGHTS_FILE, build_arch, build_model
 from training.reader import ShardReader
 from training.train import (
+    CHAOS_CHECKPOINT_FAULT,
     CHECKPOINT_DIR,
     CHECKPOINT_TAG,
     ERROR_PREFIX,
@@ -111,19 +113,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-# Fault injection for the chaos tests, unset in real runs. "POINT@STEP": rank 0 SIGKILLs
-# its launch while saving the checkpoint of step STEP, at POINT: "mid-file" (DeepSpeed's
-# files written, the ranks' own not yet) or one of `training.checkpoint.FAULT_POINTS`.
-CHAOS_CHECKPOINT_FAULT = "RECFORGE_CHAOS_CHECKPOINT_FAULT"
-# "rng", "reader" or both, comma-separated: resume without restoring them (the negative
-# control that shows the resume test would catch a missing restore).
-CHAOS_SKIP_RESTORE = "RECFORGE_CHAOS_SKIP_RESTORE"
 MID_FILE = "mid-file"
 
 
-def chaos_fault(step: int) -> Callable[[str], None] | None:
-    """Rank 0's fault hook for the checkpoint of `step` per `CHAOS_CHECKPOINT_FAULT`."""
-    setting = os.environ.get(CHAOS_CHECKPOINT_FAULT, "")
+def chaos_fault(step: int, setting: str) -> Callable[[str], None] | None:
+    """Rank 0's fault hook for the checkpoint of `step` per `CHAOS_CHECKPOINT_FAULT`.
+
+    Args:
+        step: The step being saved.
+        setting: "POINT@STEP" (see `CHAOS_CHECKPOINT_FAULT`), or "" for none.
+    """
     if not setting or dist.get_rank() != 0:
         return None
     point, _, at = setting.partition("@")
@@ -176,6 +175,7 @@ def save_resume_checkpoint(
     reader: ShardReader | None,
     counters: dict[str, int],
     fingerprint: str,
+    fault_setting: str = "",
 ) -> None:
     """Every rank: write its part of a crash-safe checkpoint; rank 0 commits it.
 
@@ -192,7 +192,7 @@ def save_resume_checkpoint(
     dist.barrier()  # the staging directory exists (and stale files are gone)
     staging = store.staging_dir(step)
     engine.save_checkpoint(str(staging), tag=DENSE_TAG)
-    fault = chaos_fault(step)
+    fault = chaos_fault(step, fault_setting)
     if fault is not None:
         fault(MID_FILE)
         store = store.with_fault(fault)
@@ -324,8 +324,11 @@ def load_resume_point(
     sparse: ShardedEmbedding | None,
     reader: ShardReader,
     num_rows: int,
+    skip_restore: frozenset[str] = frozenset(),
 ) -> dict[str, int]:
     """Every rank: load the dense part, its embedding rows, RNG states and reader position.
+
+    `skip_restore` ("rng", "reader") leaves those out: the chaos tests' negative control.
 
     Returns:
         The counters saved with the checkpoint ({"step", "micro_done"}).
@@ -353,10 +356,9 @@ def load_resume_point(
     own = point.path / rank_state_file(rank)
     first = torch.load(point.path / rank_state_file(0), weights_only=False)
     state = torch.load(own, weights_only=False) if own.is_file() else first
-    skipped = set(filter(None, os.environ.get(CHAOS_SKIP_RESTORE, "").split(",")))
-    if "rng" not in skipped:
+    if "rng" not in skip_restore:
         set_rng_state(state["rng"])
-    if "reader" not in skipped:
+    if "reader" not in skip_restore:
         reader.restore(first["reader"])
     counters = {"step": int(point.meta["step"]), "micro_done": int(point.meta["micro_done"])}
     if rank == 0:
@@ -525,7 +527,8 @@ def run(spec: dict[str, Any]) -> None:
     micro_done = step = 0
     resumed = None
     if resume_point is not None:
-        resumed = load_resume_point(resume_point, engine, store, reader, sum(table_sizes))
+        skip = frozenset(spec.get("chaos", {}).get("skip_restore", []))
+        resumed = load_resume_point(resume_point, engine, store, reader, sum(table_sizes), skip)
         step, micro_done = resumed["step"], resumed["micro_done"]
     engine.train()
     started = window_started = time.monotonic()
@@ -579,7 +582,13 @@ def run(spec: dict[str, Any]) -> None:
                 if step < total_steps:  # the final state is saved below anyway
                     counters = {"step": step, "micro_done": micro_done}
                     save_resume_checkpoint(
-                        resume_store, engine, store, reader, counters, spec["config_fingerprint"]
+                        resume_store,
+                        engine,
+                        store,
+                        reader,
+                        counters,
+                        spec["config_fingerprint"],
+                        spec.get("chaos", {}).get("checkpoint_fault", ""),
                     )
                     if stop:
                         raise Preempted(

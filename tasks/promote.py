@@ -1,0 +1,152 @@
+"""Prefect tasks of the blessing gate and the champion promotion (after export).
+
+`bless_task` decides whether the exported candidate may replace the champion: it
+scores the champion on the *same* test data (when both use the same fitted
+transform, so that the shard ids mean the same to both), applies the thresholds
+(`training.blessing`) and writes the decision into the registry and a Markdown
+artifact. `promote_task` then moves the CHAMPION pointer, after verifying the
+package (manifest and infra validation). Neither is cached: the champion is state
+outside the artifact store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from data_prep.errors import DeterministicError
+from tasks.common import StageOutput
+from tasks.registry import Registry
+from tasks.store import file_sha256
+from training.blessing import BlessConfig, decide, thresholds_for
+from training.config import SEQUENCE_MODELS, EvaluateConfig
+from training.evaluate import evaluate_model
+from training.sequence_evaluate import evaluate_sequence_model
+
+TRANSFORM = "transform.json"
+CHAMPION_EVALS = "champion-evals"
+
+
+def champion_metrics_on(
+    registry: Registry,
+    champion: str,
+    config: EvaluateConfig,
+    model_kind: str,
+    shard: StageOutput,
+    preprocess: StageOutput,
+) -> tuple[dict[str, Any] | None, str]:
+    """The champion's metrics on this run's test data, and how they were obtained.
+
+    Returns:
+        (metrics, note); metrics None when the champion cannot be scored on this data
+        (another fitted transform: its ids mean other values), with the reason.
+    """
+    package = registry.path(champion)
+    ours = Path(preprocess.output) / TRANSFORM
+    if not (package / TRANSFORM).is_file() or file_sha256(package / TRANSFORM) != file_sha256(ours):
+        return None, (
+            f"champion {champion} was trained with another fitted transform, so it cannot "
+            "be scored on this test data; promote by hand (`recforge models promote`) if "
+            "the new model should replace it"
+        )
+    # Scored once per (champion, test data, evaluate config); kept in the registry.
+    data = shard.fingerprint if model_kind not in SEQUENCE_MODELS else preprocess.fingerprint
+    key = hashlib.sha256(
+        json.dumps([champion, data, config.model_dump(mode="json")], sort_keys=True).encode()
+    ).hexdigest()[:16]
+    cached = registry.root / CHAMPION_EVALS / f"{champion}-{key}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text()), f"champion {champion} scored earlier ({cached})"
+    with tempfile.TemporaryDirectory(prefix="recforge-champion-") as scratch:
+        try:
+            if model_kind in SEQUENCE_MODELS:
+                sequences = Path(preprocess.output) / "sequences"
+                result = evaluate_sequence_model(config, package, sequences, Path(scratch))
+            else:
+                result = evaluate_model(config, package, Path(shard.output), Path(scratch))
+        except DeterministicError as error:
+            return None, f"champion {champion} could not be scored on this data: {error}"
+        metrics = json.loads(result.metrics_path.read_text())
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics, f"champion {champion} scored on this run's {config.split} split"
+
+
+@task(name="bless", retries=0, persist_result=False)
+def bless_task(
+    config: BlessConfig,
+    evaluate_config: EvaluateConfig,
+    model_kind: str,
+    model_name: str,
+    evaluate: StageOutput,
+    export: StageOutput,
+    shard: StageOutput,
+    preprocess: StageOutput,
+    root: str,
+) -> dict[str, Any]:
+    """Decide on the exported candidate; the decision goes to the registry and an artifact.
+
+    Returns:
+        {"status": "blessed" | "not_blessed" | "champion" | "skipped", "version",
+        "champion", "decision", "note"}.
+    """
+    if "model" not in export.meta or export.status == "skipped":
+        return {"status": "skipped"}
+    registry = Registry(root, model_name)
+    version = Path(export.meta["model"]).name
+    champion = registry.champion()
+    if champion == version:
+        return {"status": "champion", "version": version, "champion": champion}
+    candidate = dict(evaluate.meta.get("metrics", {}))
+    champion_metrics, note = (None, "no champion yet")
+    if champion is not None:
+        champion_metrics, note = champion_metrics_on(
+            registry, champion, evaluate_config, model_kind, shard, preprocess
+        )
+    thresholds = thresholds_for(config, model_kind in SEQUENCE_MODELS)
+    decision = decide(thresholds, candidate, champion_metrics, champion is not None)
+    registry.record_decision(
+        version,
+        {
+            **decision.record(),
+            "champion": champion,
+            "champion_metrics": champion_metrics,
+            "candidate_metrics": candidate,
+            "note": note,
+        },
+    )
+    create_markdown_artifact(
+        key="blessing",
+        markdown=decision.markdown(version, champion) + f"\n{note}.\n",
+        description=f"Blessing decision for {model_name} {version}",
+    )
+    get_run_logger().info(
+        "%s %s: %s (%s)",
+        model_name,
+        version,
+        "blessed" if decision.blessed else "not blessed",
+        "; ".join(c.reason for c in decision.checks if not c.passed) or note,
+    )
+    return {
+        "status": "blessed" if decision.blessed else "not_blessed",
+        "version": version,
+        "champion": champion,
+        "decision": decision.record(),
+        "note": note,
+    }
+
+
+@task(name="promote", retries=0, persist_result=False)
+def promote_task(model_name: str, version: str, root: str, reason: str) -> dict[str, Any]:
+    """Move CHAMPION to `version` after verifying its package; unchanged on any failure."""
+    record = Registry(root, model_name).promote(version, reason)
+    get_run_logger().info(
+        "%s: champion is now %s (was %s)", model_name, version, record["previous"]
+    )
+    return record
