@@ -1,6 +1,8 @@
 """The gate end to end: a shuffled-label model is not blessed, a better one is promoted."""
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -78,3 +80,43 @@ def test_the_gate_keeps_a_bad_model_out_and_promotes_a_better_one(
 
     again = run(root, raw, LENIENT)  # all cached: the champion stays, no new decision
     assert again["promotion"]["status"] == "champion"
+
+
+def answer_when_paused(approve: bool, note: str, answered: list) -> threading.Thread:
+    """A reviewer in the UI: waits for a paused flow run, then submits the approval form."""
+    from prefect.client.orchestration import get_client
+    from prefect.flow_runs import resume_flow_run
+
+    def review() -> None:
+        deadline = time.monotonic() + 300
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                paused = [r for r in client.read_flow_runs() if r.state and r.state.is_paused()]
+                if paused:
+                    resume_flow_run(paused[0].id, run_input={"approve": approve, "note": note})
+                    answered.append(paused[0].id)
+                    return
+                time.sleep(0.5)
+
+    thread = threading.Thread(target=review, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("approve", [True, False], ids=["approved", "rejected"])
+def test_a_blessed_model_waits_for_approval(prefect_server, tmp_path: Path, approve: bool) -> None:
+    raw = tmp_path / "raw"
+    generate_logs(load_config(TINY, [f"generate.out={raw}"]).generate)
+    root = tmp_path / "artifacts"
+    answered: list = []
+    reviewer = answer_when_paused(approve, "looked at the card", answered)
+    record = run(root, raw, ANY, "bless.require_approval=true", "bless.approval_timeout_s=300")
+    reviewer.join(timeout=10)
+    assert answered, "the flow never paused for approval"
+    champion = Registry(root, load_config(TINY).export.model_name).champion()
+    if approve:
+        assert record["promotion"]["status"] == "promoted"
+        assert record["promotion"]["approval"] == "looked at the card"
+        assert champion == Path(record["model"]).name
+    else:
+        assert record["promotion"]["status"] == "not_approved" and champion is None

@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 from data_prep.errors import ConfigError, Preempted, TrainingCrashed
 from training.checkpoint import MANIFEST, CheckpointStore
 from training.config import TrainConfig
-from training.train import RANKS_FILE, train_model
-from training.worker import CHAOS_CHECKPOINT_FAULT, CHAOS_SKIP_RESTORE
+from training.train import CHAOS_CHECKPOINT_FAULT, CHAOS_SKIP_RESTORE, RANKS_FILE, train_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
