@@ -355,11 +355,54 @@ class EvaluateConfig(BaseModel):
         description="Sequence models: users scored at once; full ranking holds "
         "block x num_items scores.",
     )
+    auc_mode: Literal["auto", "exact", "bucketed"] = Field(
+        "auto",
+        description="CTR models: AUC counting. exact keeps every score (16 bytes a row); "
+        "bucketed counts scores in auc_buckets probability buckets and reports an error "
+        "bound; auto is exact up to exact_auc_max_rows rows, bucketed above.",
+    )
+    auc_buckets: int = Field(
+        2**16,
+        ge=1,
+        le=2**24,
+        description="CTR models: probability buckets of the bucketed AUC (memory 16 bytes "
+        "each, per AUC computed: every task, the oracle and every slice).",
+    )
+    exact_auc_max_rows: int = Field(
+        1_000_000,
+        ge=0,
+        description="CTR models: auc_mode auto counts exactly up to this many rows.",
+    )
+    slice_by: list[str] = Field(
+        default_factory=list,
+        description="CTR models: single-valued sparse features to report metrics per value "
+        "of (e.g. [city, device]); keys slice/<feature>=<value>/<metric>.",
+    )
+    calibration_bins: int = Field(
+        10,
+        ge=1,
+        description="CTR models: equal-width probability bins of calibration.json.",
+    )
+    user_key: str | None = Field(
+        None,
+        description="CTR models: shard column that identifies the user, for GAUC; None "
+        "takes dataset.json's user_key, and without one GAUC is not reported.",
+    )
 
     @model_validator(mode="after")
     def _check_ks(self) -> EvaluateConfig:
         if any(k < 1 for k in self.ks):
             raise ValueError(f"evaluate.ks: cutoffs must be >= 1, got {self.ks}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_slice_by(self) -> EvaluateConfig:
+        repeated = sorted({name for name in self.slice_by if self.slice_by.count(name) > 1})
+        if repeated or any(not name for name in self.slice_by):
+            raise ValueError(
+                f"evaluate.slice_by: feature names must be non-empty and listed once, got "
+                f"{self.slice_by}"
+            )
         return self
 
 

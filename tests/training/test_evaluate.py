@@ -3,11 +3,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from pydantic import ValidationError
+from sklearn.calibration import calibration_curve
 from sklearn.metrics import log_loss, roc_auc_score
 
+from data_prep.errors import ConfigError, SchemaError
 from training.config import EvaluateConfig
 from training.data import load_dataset_meta
 from training.evaluate import evaluate_model
@@ -74,3 +78,174 @@ def test_multi_task_metrics_per_label_match_sklearn(
         assert written[f"auc/{task}"] == pytest.approx(roc_auc_score(y, p[:, t]), abs=1e-9)
         assert written[f"logloss/{task}"] == pytest.approx(log_loss(y, p[:, t]), abs=1e-6)
     assert written["auc"] == written["auc/click"]
+
+
+def test_above_the_exact_limit_auc_is_bucketed_within_its_bound(
+    shards_dir: Path, random_train_dir: Path, tmp_path: Path
+) -> None:
+    config = EvaluateConfig(batch_size=100, exact_auc_max_rows=150, auc_buckets=64)
+    result = evaluate_model(config, random_train_dir, shards_dir, tmp_path)
+    labels, probabilities, oracle = reference_scores(random_train_dir, shards_dir, "test")
+    written = json.loads(result.metrics_path.read_text())
+    assert written["auc_mode"] == "bucketed" and written["auc_error_bound"] > 0
+    assert abs(result.auc - roc_auc_score(labels, probabilities)) <= written["auc_error_bound"]
+    # The running sums do not depend on the mode.
+    assert result.logloss == pytest.approx(log_loss(labels, probabilities), abs=1e-6)
+    exact = evaluate_model(EvaluateConfig(batch_size=100), random_train_dir, shards_dir, tmp_path)
+    assert json.loads(exact.metrics_path.read_text())["auc_error_bound"] == 0.0
+
+
+def test_streaming_keys_calibration_and_reliability_bins(
+    shards_dir: Path, random_train_dir: Path, tmp_path: Path
+) -> None:
+    config = EvaluateConfig(batch_size=100, calibration_bins=5)
+    result = evaluate_model(config, random_train_dir, shards_dir, tmp_path)
+    labels, probabilities, _ = reference_scores(random_train_dir, shards_dir, "test")
+    written = json.loads(result.metrics_path.read_text())
+    assert written["auc_mode"] == result.auc_mode == "exact"  # 512 rows: auto is exact
+    assert written["auc_error_bound"] == 0.0
+    assert written["calibration"] == pytest.approx(probabilities.mean() / labels.mean(), abs=1e-6)
+    assert "gauc" not in written  # the fabricated dataset.json names no user_key
+    bins = json.loads((tmp_path / "calibration.json").read_text())
+    assert bins["split"] == "test" and bins["num_bins"] == 5 and len(bins["bins"]) == 5
+    prob_true, prob_pred = calibration_curve(labels, probabilities, n_bins=5)
+    filled = [b for b in bins["bins"] if b["count"]]
+    assert [b["observed_rate"] for b in filled] == pytest.approx(prob_true, abs=1e-9)
+    assert [b["mean_prediction"] for b in filled] == pytest.approx(prob_pred, abs=1e-6)
+    assert sum(b["count"] for b in bins["bins"]) == 512
+
+
+@pytest.mark.parametrize(
+    "settings", [{"auc_mode": "bucketed"}, {"auc_mode": "auto", "exact_auc_max_rows": 300}]
+)
+def test_bucketed_auc_is_within_its_bound_and_says_so(
+    shards_dir: Path, random_train_dir: Path, tmp_path: Path, settings: dict
+) -> None:
+    config = EvaluateConfig(batch_size=100, auc_buckets=16, **settings)
+    result = evaluate_model(config, random_train_dir, shards_dir, tmp_path)
+    labels, probabilities, oracle = reference_scores(random_train_dir, shards_dir, "test")
+    written = json.loads(result.metrics_path.read_text())
+    assert written["auc_mode"] == "bucketed" and written["auc_error_bound"] > 0
+    assert abs(written["auc"] - roc_auc_score(labels, probabilities)) <= written["auc_error_bound"]
+    assert written["bayes_auc"] == pytest.approx(roc_auc_score(labels, oracle), abs=0.05)
+    assert written["logloss"] == pytest.approx(log_loss(labels, probabilities), abs=1e-6)
+
+
+def test_slices_match_sklearn_per_value(
+    shards_dir: Path, random_train_dir: Path, tmp_path: Path
+) -> None:
+    config = EvaluateConfig(batch_size=100, slice_by=["city", "category"])
+    result = evaluate_model(config, random_train_dir, shards_dir, tmp_path)
+    written = json.loads(result.metrics_path.read_text())
+    labels, probabilities, _ = reference_scores(random_train_dir, shards_dir, "test")
+    table = pq.read_table(
+        [shards_dir / f.path for f in load_dataset_meta(shards_dir).split("test").files]
+    )
+    for feature in ("city", "category"):
+        ids = table.column(feature).to_numpy()
+        for value in np.unique(ids):
+            rows = ids == value
+            prefix = f"slice/{feature}=#{value}"  # no transform: keyed by index
+            assert written[f"{prefix}/num_rows"] == rows.sum()
+            assert written[f"{prefix}/click_rate"] == pytest.approx(labels[rows].mean())
+            assert written[f"{prefix}/mean_prediction"] == pytest.approx(probabilities[rows].mean())
+            assert written[f"{prefix}/logloss"] == pytest.approx(
+                log_loss(labels[rows], probabilities[rows], labels=[0, 1]), abs=1e-6
+            )
+            if 0 < labels[rows].sum() < rows.sum():
+                expected = roc_auc_score(labels[rows], probabilities[rows])
+                assert written[f"{prefix}/auc"] == pytest.approx(expected, abs=1e-9)
+            else:
+                assert f"{prefix}/auc" not in written
+    slice_rows = [
+        v for k, v in written.items() if k.startswith("slice/city=") and k.endswith("/num_rows")
+    ]
+    assert sum(slice_rows) == 512
+
+
+def test_slices_are_named_through_the_vocabulary(
+    shards_dir: Path, random_train_dir: Path, tmp_path: Path
+) -> None:
+    from data_prep.transform import TRANSFORM_FORMAT
+
+    cities = [f"city-{i}" for i in range(1, 9)]  # indices 9 and 10 lie past the vocabulary
+    transform = {
+        "format": TRANSFORM_FORMAT,
+        "columns": [],
+        "labels": [],
+        "sparse": {
+            "city": {"kind": "vocab", "dtype": "string", "multi_hot": False, "values": cities},
+            "category": {"kind": "hash", "dtype": "string", "multi_hot": False},
+        },
+        "dense": {},
+    }
+    transform_path = tmp_path / "transform.json"
+    transform_path.write_text(json.dumps(transform))
+    config = EvaluateConfig(slice_by=["city", "category"])
+    result = evaluate_model(config, random_train_dir, shards_dir, tmp_path / "e", transform_path)
+    written = json.loads(result.metrics_path.read_text())
+    names = {k.split("/")[1] for k in written if k.startswith("slice/")}
+    expected_cities = {"city=<oov>", *(f"city={c}" for c in cities), "city=#9", "city=#10"}
+    assert {n for n in names if n.startswith("city=")} == expected_cities
+    assert {n for n in names if n.startswith("category=")} == {f"category=#{i}" for i in range(7)}
+
+
+def test_unknown_slice_feature_names_the_field_and_the_choices(
+    shards_dir: Path, random_train_dir: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        evaluate_model(EvaluateConfig(slice_by=["citty"]), random_train_dir, shards_dir, tmp_path)
+    message = str(error.value)
+    assert "evaluate.slice_by" in message and "'citty'" in message
+    assert "['user_id', 'city', 'category']" in message
+    with pytest.raises(ValidationError, match="evaluate.slice_by"):
+        EvaluateConfig(slice_by=["city", "city"])
+
+
+def test_gauc_over_the_user_column_matches_per_user_sklearn(
+    shards_dir: Path, random_train_dir: Path, tmp_path: Path
+) -> None:
+    config = EvaluateConfig(batch_size=100, user_key="user_id")
+    result = evaluate_model(config, random_train_dir, shards_dir, tmp_path)
+    labels, probabilities, _ = reference_scores(random_train_dir, shards_dir, "test")
+    table = pq.read_table(
+        [shards_dir / f.path for f in load_dataset_meta(shards_dir).split("test").files]
+    )
+    users = table.column("user_id").to_numpy()
+    numerator = denominator = users_counted = 0
+    for user in np.unique(users[users != 0]):  # index 0 is the OOV bucket: left out
+        rows = users == user
+        if 0 < labels[rows].sum() < rows.sum():
+            numerator += rows.sum() * roc_auc_score(labels[rows], probabilities[rows])
+            denominator += rows.sum()
+            users_counted += 1
+    written = json.loads(result.metrics_path.read_text())
+    assert users_counted > 10
+    assert written["gauc"] == pytest.approx(numerator / denominator, abs=1e-9) == result.gauc
+    assert written["gauc_users"] == users_counted == result.gauc_users
+    with pytest.raises(ConfigError, match="evaluate.user_key"):
+        evaluate_model(EvaluateConfig(user_key="price"), random_train_dir, shards_dir, tmp_path)
+
+
+@pytest.mark.parametrize("click", [0.0, 1.0])
+def test_a_single_class_split_is_a_schema_error(
+    shards_dir: Path, random_train_dir: Path, tmp_path: Path, click: float
+) -> None:
+    for entry in load_dataset_meta(shards_dir).split("valid").files:
+        table = pq.read_table(shards_dir / entry.path)
+        clicks = pa.array(np.full(table.num_rows, click, dtype=np.float32))
+        pq.write_table(
+            table.set_column(table.schema.get_field_index("click"), "click", clicks),
+            shards_dir / entry.path,
+        )
+    with pytest.raises(SchemaError, match="'valid'.*only one class"):
+        evaluate_model(EvaluateConfig(split="valid"), random_train_dir, shards_dir, tmp_path)
+
+
+def test_an_empty_split_is_a_schema_error(
+    make_shards: Callable[..., Path], make_train_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    shards_dir = make_shards(split_files={"train": 1, "valid": 1, "test": 0})
+    train_dir = make_train_dir(shards_dir)
+    with pytest.raises(SchemaError, match="no rows"):
+        evaluate_model(EvaluateConfig(), train_dir, shards_dir, tmp_path / "e")
