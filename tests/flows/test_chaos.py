@@ -18,7 +18,9 @@ from tasks.store import CHAOS_PUBLISH_FAULT, ArtifactStore
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
-RESUMABLE = ["train.max_steps=120", "train.checkpoint_every=10", "train.log_every=10"]
+# Long enough that the ranks a SIGKILLed run orphans cannot finish the whole run before
+# the next attempt reaps them (each later attempt needs steps left to be preempted in).
+RESUMABLE = ["train.max_steps=600", "train.checkpoint_every=10", "train.log_every=10"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
