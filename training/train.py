@@ -520,7 +520,10 @@ def _run_launcher(
         if owner_file is not None:
             owner_file.parent.mkdir(parents=True, exist_ok=True)
             record = {"pgid": process.pid, "master_port": master_port}
-            owner_file.write_text(json.dumps(record) + "\n")
+            # By rename: a reader (the next attempt's reaper) never sees it half written.
+            partial = owner_file.with_name(owner_file.name + ".tmp")
+            partial.write_text(json.dumps(record) + "\n")
+            os.replace(partial, owner_file)
         try:
             assert process.stdout is not None  # stdout=PIPE above
             for raw_line in process.stdout:
