@@ -143,6 +143,7 @@ def pipeline(params: RunParams) -> str:
                 outputs["evaluate"],
                 root,
                 modes["export"],
+                ingest=outputs["ingest"],
                 return_state=True,
             )
         )

@@ -12,11 +12,15 @@ from training.config import SEQUENCE_MODELS, ExportConfig
 from training.export import export_model
 from training.sequence_export import export_sequence_model
 
+# The infra validation figures kept in the stage's manifest (the package holds the rest).
+INFRA_KEYS = ("rows", "p50_ms", "p99_ms", "batch_p50_ms", "batch_p99_ms", "max_abs_diff")
 MODULES = [
     "training/bst.py",
     "training/bst_export.py",
     "training/export.py",
     "training/model.py",
+    "training/package.py",
+    "training/package_scorer.py",
     "training/sequence_export.py",
     "training/sequence_model.py",
 ]
@@ -33,13 +37,16 @@ def export_task(
     evaluate: StageOutput,
     root: str,
     mode: Mode,
+    ingest: StageOutput | None = None,
 ) -> StageOutput:
     """Package the trained model (weights, ONNX, TorchScript, transform, card); register it.
 
     Sequence models (`model` in SEQUENCE_MODELS) export a top-K recommender: history ->
     the `config.top_k` best item indices and scores (`item_field` names the item ids).
+    CTR models given `ingest` are infra-validated: the package's own score.py scores raw
+    test events in a fresh interpreter (`infra_validation.json`).
     """
-    upstream = [train, preprocess, shard, evaluate]
+    upstream = [train, preprocess, shard, evaluate, *([ingest] if ingest is not None else [])]
     section = {**config.model_dump(), "model": model, "item_field": item_field}
     fp = stage_fingerprint("export", section, upstream, MODULES)
 
@@ -84,10 +91,14 @@ def export_task(
             Path(shard.output),
             Path(evaluate.output) / "metrics.json",
             out_dir,
+            events_dir=Path(ingest.output) / "events" if ingest is not None else None,
         )
         return {
             "parity_max_abs_diff_onnx": result.parity_max_abs_diff_onnx,
             "parity_max_abs_diff_torchscript": result.parity_max_abs_diff_torchscript,
+            "infra_validation": None
+            if result.infra_validation is None
+            else {key: result.infra_validation[key] for key in INFRA_KEYS},
         }
 
     output = run_stage("export", fp, mode, root, produce)

@@ -422,3 +422,22 @@ class ExportConfig(BaseModel):
     top_k: int = Field(
         10, ge=1, description="Sequence models: items the exported recommender returns."
     )
+    infra_validation_rows: int = Field(
+        256,
+        ge=1,
+        description="CTR models: first test rows whose raw events (the ingest output) the "
+        "package's own score.py scores in a fresh interpreter, compared with the trained model "
+        "within parity_atol.",
+    )
+    infra_validation_unseen: int = Field(
+        8,
+        ge=0,
+        description="CTR models: records with ids and strings never seen in train added to "
+        "the infra validation sample.",
+    )
+    infra_validation_repetitions: int = Field(
+        200,
+        ge=1,
+        description="CTR models: timed calls behind each infra validation latency figure "
+        "(one-record calls and whole-sample calls).",
+    )

@@ -2,8 +2,9 @@
 
 Reads `<train_dir>/model_config.json`, `<train_dir>/model.safetensors` (and, for the
 model card, `train_config.json` and `train_summary.json` when present), the fitted
-transform file, `dataset.json` and the first test rows of the shards, and optionally
-the evaluation's metrics.json. Writes into `out_dir`:
+transform file, `dataset.json` and the first test rows of the shards, optionally the
+evaluation's metrics.json and the ingest output's `events/` (raw test records for infra
+validation). Writes into `out_dir`:
 
 - `model.safetensors`, `model_config.json`: the weights and how to rebuild the module;
 - `model.onnx`: inputs `sparse` int64 (B, F), `dense` float32 (B, Dn) and, per
@@ -15,11 +16,18 @@ the evaluation's metrics.json. Writes into `out_dir`:
 - `signature.json`: feature names in input order, dtypes, shapes, input/output names;
 - `parity/inputs.npz` (keys = ONNX input names), `parity/scores.npy`: the trained
   model's scores on the first `parity_rows` test rows, for checks at serving time;
+- `score.py`: scores raw records (transform.json + model.onnx) with numpy and
+  onnxruntime only (`training/package_scorer.py`);
+- `infra_validation.json` (when events are given): `score.py` run in a fresh interpreter
+  on the raw events of the first `infra_validation_rows` test rows plus
+  `infra_validation_unseen` records with never-seen ids and strings: its scores match
+  the trained model's, and its latency (see `training.package.infra_validate`);
 - `model_card.md`.
 
 Parity: the torch model, onnxruntime and TorchScript score the parity sample; a
 difference above `parity_atol` raises ParityError (the files written so far stay in
-`out_dir`, which the caller treats as a failed staging directory).
+`out_dir`, which the caller treats as a failed staging directory). Infra validation
+raises ParityError the same way.
 """
 
 from __future__ import annotations
@@ -32,13 +40,24 @@ from typing import Any
 
 import numpy as np
 import onnxruntime
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from torch import nn
 
 from data_prep.errors import InputNotFoundError, ParityError, SchemaError
+from data_prep.transform import TransformApplier, load_transform
 from training.config import ExportConfig
 from training.data import DatasetMeta, iter_tables, load_dataset_meta, model_columns, to_batch
 from training.model import MODEL_CONFIG_FILE, WEIGHTS_FILE, CTRModel, load_model
+from training.package import (
+    INFRA_VALIDATION_FILE,
+    SCORER_FILE,
+    infra_validate,
+    raw_test_records,
+    with_unseen_records,
+    write_scorer,
+)
 from training.train import SUMMARY_FILE, TRAIN_CONFIG_FILE
 
 INPUT_NAMES = ("sparse", "dense")
@@ -55,12 +74,15 @@ class ExportResult:
         parity_max_abs_diff_onnx: Largest |torch - onnxruntime| score on the parity sample.
         parity_max_abs_diff_torchscript: Largest |torch - TorchScript| score on it.
         files: The package's files, relative to out_dir, sorted.
+        infra_validation: The infra validation report without its scores (see
+            `training.package.infra_validate`), or None when no events were given.
     """
 
     out_dir: Path
     parity_max_abs_diff_onnx: float
     parity_max_abs_diff_torchscript: float
     files: list[str]
+    infra_validation: dict[str, Any] | None = None
 
 
 class ScoringModule(nn.Module):
@@ -99,8 +121,13 @@ def export_model(
     shards_dir: Path,
     metrics_path: Path | None,
     out_dir: Path,
+    events_dir: Path | None = None,
 ) -> ExportResult:
     """Write the model package and check that ONNX and TorchScript match torch.
+
+    With `events_dir`, also infra-validate the package: its own `score.py`, in a fresh
+    interpreter, scores the raw events of the first test rows and records with unseen
+    ids like the trained model does.
 
     Args:
         config: The export config.
@@ -109,15 +136,20 @@ def export_model(
         shards_dir: The shard directory (feature names; test rows for parity).
         metrics_path: The evaluation's metrics.json for the model card, or None.
         out_dir: The package directory; created if missing.
+        events_dir: Ingest's `events` directory (the clean events the shards were made
+            from), or None to skip infra validation.
 
     Returns:
-        The package and its parity figures.
+        The package and its parity (and infra validation) figures.
 
     Raises:
         InputNotFoundError: A model file, the transform, the metrics or dataset.json
             is missing.
-        SchemaError: The test split has no rows.
-        ParityError: ONNX or TorchScript scores differ from torch by more than parity_atol.
+        SchemaError: The test split has no rows, or the transform is not a fitted one
+            (with events_dir).
+        DataError: The events do not hold the shards' test rows.
+        ParityError: ONNX or TorchScript scores differ from torch by more than
+            parity_atol, or infra validation fails.
     """
     train_dir, out_dir = Path(train_dir), Path(out_dir)
     for path in (transform_path, metrics_path):
@@ -175,11 +207,18 @@ def export_model(
     shutil.copyfile(train_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
     (out_dir / MODEL_CONFIG_FILE).write_text(json.dumps(model_config, indent=2) + "\n")
     shutil.copyfile(transform_path, out_dir / "transform.json")
-    signature = _signature(config, meta, list(model_config["tasks"]))
+    signature = _signature(config, meta, list(model_config["tasks"]), input_names, len(scores))
     (out_dir / "signature.json").write_text(json.dumps(signature, indent=2) + "\n")
+    write_scorer(out_dir)
+    infra = None
+    if events_dir is not None:
+        records, expected, test_rows = _validation_records(
+            config, scorer, meta, transform_path, shards_dir, events_dir
+        )
+        infra = _run_infra_validation(config, out_dir, records, expected, test_rows)
     metrics = json.loads(Path(metrics_path).read_text()) if metrics_path is not None else None
     card = _model_card(
-        config, meta, model_config, train_dir, metrics, len(scores), diff_onnx, diff_ts
+        config, meta, model_config, train_dir, metrics, len(scores), diff_onnx, diff_ts, infra
     )
     (out_dir / "model_card.md").write_text(card)
     files = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
@@ -188,7 +227,64 @@ def export_model(
         parity_max_abs_diff_onnx=diff_onnx,
         parity_max_abs_diff_torchscript=diff_ts,
         files=files,
+        infra_validation=infra,
     )
+
+
+def _validation_records(
+    config: ExportConfig,
+    scorer: ScoringModule,
+    meta: DatasetMeta,
+    transform_path: Path,
+    shards_dir: Path,
+    events_dir: Path,
+) -> tuple[list[dict], np.ndarray, int]:
+    """Raw records for infra validation and the trained model's scores of them.
+
+    Returns:
+        (records: the first test rows' raw events, then the unseen-id records;
+        the torch model's scores of data_prep's transform of them; test records).
+    """
+    transform = load_transform(transform_path)
+    test_records, _ = raw_test_records(
+        events_dir, shards_dir, meta, transform, config.infra_validation_rows
+    )
+    records = with_unseen_records(test_records, transform, config.infra_validation_unseen)
+    # Typed as ingest wrote the events; nullable, since unseen records miss dense values.
+    event_schema = pq.read_schema(sorted(Path(events_dir).glob("*.parquet"))[0])
+    nullable = pa.schema([field.with_nullable(True) for field in event_schema])
+    transformed = TransformApplier(transform)(pa.Table.from_pylist(records, schema=nullable))
+    batch = to_batch(transformed, meta)
+    with torch.no_grad():
+        expected = scorer(batch.sparse, batch.dense, *batch.multi_hot).numpy()  # (N,) or (N, T)
+    return records, expected, len(test_records)
+
+
+def _run_infra_validation(
+    config: ExportConfig,
+    out_dir: Path,
+    records: list[dict],
+    expected: np.ndarray,
+    test_records: int,
+) -> dict[str, Any]:
+    """Run infra validation, write infra_validation.json; the report without scores."""
+    report = infra_validate(
+        out_dir,
+        records,
+        expected,
+        atol=config.parity_atol,
+        repetitions=config.infra_validation_repetitions,
+    )
+    # infra_validate raises on any failure, so a written report is a passed one.
+    report = {
+        "ok": True,
+        **report,
+        "test_records": test_records,
+        "unseen_records": len(records) - test_records,
+        "atol": config.parity_atol,
+    }
+    (out_dir / INFRA_VALIDATION_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return {key: value for key, value in report.items() if key != "scores"}
 
 
 def _input_names(meta: DatasetMeta) -> list[str]:
@@ -213,7 +309,13 @@ def _max_abs_diff(expected: np.ndarray, actual: np.ndarray) -> float:
     return float(np.max(np.abs(expected.astype(np.float64) - actual.astype(np.float64))))
 
 
-def _signature(config: ExportConfig, meta: DatasetMeta, tasks: list[str]) -> dict[str, Any]:
+def _signature(
+    config: ExportConfig,
+    meta: DatasetMeta,
+    tasks: list[str],
+    input_names: list[str],
+    parity_rows: int,
+) -> dict[str, Any]:
     return {
         "model_name": config.model_name,
         "inputs": [
@@ -253,7 +355,21 @@ def _signature(config: ExportConfig, meta: DatasetMeta, tasks: list[str]) -> dic
         ],
         "label": meta.label,
         "tasks": tasks,
-        "files": {"onnx": "model.onnx", "torchscript": "model.ts", "transform": "transform.json"},
+        "files": {
+            "onnx": "model.onnx",
+            "torchscript": "model.ts",
+            "transform": "transform.json",
+            "scorer": SCORER_FILE,
+        },
+        "parity": {
+            "inputs": "parity/inputs.npz",
+            "input_keys": input_names,
+            "scores": "parity/scores.npy",
+            "scores_dtype": "float32",
+            "rows": parity_rows,
+            "atol": config.parity_atol,
+            "check": "onnxruntime(model.onnx) on inputs.npz vs scores.npy, max abs diff <= atol",
+        },
     }
 
 
@@ -270,6 +386,7 @@ def _model_card(
     parity_rows: int,
     diff_onnx: float,
     diff_ts: float,
+    infra: dict[str, Any] | None,
 ) -> str:
     train_config = _read_json(train_dir / TRAIN_CONFIG_FILE)
     summary = _read_json(train_dir / SUMMARY_FILE)
@@ -334,5 +451,35 @@ def _model_card(
         f"| onnxruntime (opset {config.opset}) | {diff_onnx:.3g} |",
         f"| TorchScript | {diff_ts:.3g} |",
         "",
+        "Repeat it anywhere: `onnxruntime.InferenceSession('model.onnx').run(['score'], "
+        "dict(np.load('parity/inputs.npz')))` against `np.load('parity/scores.npy')`.",
+        "",
+        "## Serving without recforge",
+        "",
+        f"`{SCORER_FILE}` needs numpy and onnxruntime only: it maps raw records (dicts keyed "
+        "by the raw field names, unseen ids and strings included) through `transform.json` "
+        "and scores them with `model.onnx`. `from score import score_records`, or "
+        f"`python {SCORER_FILE} records.jsonl` (add `--benchmark N` for latency).",
+        "",
     ]
+    if infra is None:
+        lines += ["Infra validation: not run (no raw events given to export).", ""]
+    else:
+        lines += [
+            f"Infra validation (`{INFRA_VALIDATION_FILE}`): `{SCORER_FILE}` in a fresh "
+            f"interpreter (python -I, cwd = the package; imported no recforge module) scored "
+            f"{infra['rows']} raw records ({infra['test_records']} {PARITY_SPLIT} rows, "
+            f"{infra['unseen_records']} with unseen ids) like the trained model:",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            f"| max abs diff vs the trained model | {infra['max_abs_diff']:.3g} |",
+            f"| p50 / p99 latency, one record per call | {infra['p50_ms']:.3f} / "
+            f"{infra['p99_ms']:.3f} ms |",
+            f"| p50 / p99 latency, {infra['rows']} records per call | "
+            f"{infra['batch_p50_ms']:.3f} / {infra['batch_p99_ms']:.3f} ms |",
+            f"| timed calls per figure | {infra['repetitions']} |",
+            f"| python / onnxruntime | {infra['python']} / {infra['onnxruntime']} |",
+            "",
+        ]
     return "\n".join(lines)

@@ -65,9 +65,11 @@ def test_package_scores_like_the_trained_model(
         "model_config.json",
         "parity/inputs.npz",
         "parity/scores.npy",
+        "score.py",
         "signature.json",
         "transform.json",
     ]
+    assert result.infra_validation is None  # no raw events given
     assert result.parity_max_abs_diff_onnx <= 1e-5
     assert result.parity_max_abs_diff_torchscript <= 1e-5
 
@@ -105,9 +107,19 @@ def test_package_scores_like_the_trained_model(
     assert signature["inputs"][0]["features"] == ["user_id", "city", "category"]
     assert signature["inputs"][1]["features"] == ["price", "position"]
     assert signature["outputs"][0]["name"] == "score"
+    assert signature["parity"] == {
+        "inputs": "parity/inputs.npz",
+        "input_keys": ["sparse", "dense"],
+        "scores": "parity/scores.npy",
+        "scores_dtype": "float32",
+        "rows": 300,
+        "atol": 1e-5,
+        "check": "onnxruntime(model.onnx) on inputs.npz vs scores.npy, max abs diff <= atol",
+    }
     assert (out_dir / "transform.json").read_bytes() == transform_path.read_bytes()
     card = (out_dir / "model_card.md").read_text()
     assert "0.61" in card and "user_id" in card and "TorchScript" in card
+    assert "parity/inputs.npz" in card and "Infra validation: not run" in card
 
 
 def test_parity_failure_raises(
@@ -163,6 +175,8 @@ def test_multi_hot_multi_task_package_keeps_parity(
     assert result.parity_max_abs_diff_onnx <= 1e-5
     inputs = dict(np.load(out_dir / "parity" / "inputs.npz"))
     assert sorted(inputs) == ["dense", "multi_hot_tags", "sparse"]
+    signature = json.loads((out_dir / "signature.json").read_text())
+    assert signature["parity"]["input_keys"] == ["sparse", "dense", "multi_hot_tags"]
     assert inputs["multi_hot_tags"].min() == -1  # padded lists
     scores = np.load(out_dir / "parity" / "scores.npy")
     assert scores.shape == (200, 2)
@@ -173,6 +187,5 @@ def test_multi_hot_multi_task_package_keeps_parity(
         [few["multi_hot_tags"], np.full((7, 3), -1, dtype=np.int64)], axis=1
     )
     np.testing.assert_allclose(session.run(["score"], few)[0], scores[:7], atol=1e-6)
-    signature = json.loads((out_dir / "signature.json").read_text())
     assert signature["tasks"] == ["click", "purchase"]
     assert signature["outputs"][0]["shape"] == ["batch", 2]
