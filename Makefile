@@ -9,7 +9,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # another checkout's venv does not invalidate it.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean system-deps
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +22,23 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/recforge generate configs/demo.yaml
 	$(VENV)/bin/recforge run configs/demo.yaml
 
-test: $(VENV)/.installed
+# The browser and PostgreSQL service tests use Debian's chromium and postgresql. In a
+# root shell with apt (CI, a fresh build machine) they are installed when missing;
+# elsewhere, or if apt cannot reach its mirror, those two tests skip.
+system-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=""; \
+	  command -v chromium >/dev/null || missing="$$missing chromium"; \
+	  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing$$missing (apt)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $$missing >/dev/null) \
+	    || echo "could not install$$missing: the browser/PostgreSQL tests will skip"; \
+	  fi; \
+	fi
+
+test: $(VENV)/.installed system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 

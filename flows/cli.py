@@ -71,11 +71,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config field",
     )
 
-    serve = commands.add_parser("serve", help="serve the pipeline as a scheduled deployment")
-    serve.add_argument("config", help="pipeline YAML")
-    serve.add_argument("--cron", required=True, help="cron schedule, e.g. '0 3 * * *'")
-    serve.add_argument("--root", default="artifacts", help="artifact store root")
-    serve.add_argument("--name", default=None, help="deployment name (default: the config's name)")
+    serve = commands.add_parser(
+        "serve",
+        help="serve the pipeline and the per-stage rerun flow as deployments (runs them here)",
+    )
+    deploy = commands.add_parser(
+        "deploy", help="write (and --apply) a prefect.yaml of the same deployments for work pools"
+    )
+    for sub in (serve, deploy):
+        sub.add_argument("config", help="pipeline YAML")
+        sub.add_argument("--cron", default=None, help="the pipeline's schedule, e.g. '0 3 * * *'")
+        sub.add_argument("--rerun-cron", default=None, help="the rerun flow's schedule (optional)")
+        sub.add_argument(
+            "--rerun-stage", choices=STAGE_NAMES, default=None, help="stage a scheduled rerun runs"
+        )
+        sub.add_argument("--root", default="artifacts", help="artifact store root")
+        sub.add_argument("--name", default=None, help="deployment name (default: config's name)")
+        sub.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a default config override of every run, e.g. --set ingest.path=/data/logs",
+        )
+    deploy.add_argument("--pool", required=True, help="work pool the deployments run in")
+    deploy.add_argument(
+        "--out", default="prefect.yaml", help="where to write (default ./prefect.yaml)"
+    )
+    deploy.add_argument(
+        "--apply", action="store_true", help="then run `prefect deploy --all` on it (needs the API)"
+    )
 
     ui = commands.add_parser("ui", help="start a local Prefect server (SQLite) and print its URL")
     ui.add_argument("--port", type=int, default=4200)
@@ -108,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "deploy":
+            return _deploy(args)
         if args.command == "models":
             return _models(args)
         return _ui(args)
@@ -144,7 +172,9 @@ def _run(args: argparse.Namespace) -> int:
         overrides=args.overrides,
     )
     try:
-        path = pipeline.with_options(task_runner=task_runner(args.workers, args.dask))(params)
+        path = pipeline.with_options(task_runner=task_runner(args.workers, args.dask))(
+            **params.model_dump()
+        )
     except RecforgeError:
         raise
     except Exception as err:  # a failed flow: one line, not a traceback
@@ -239,12 +269,47 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from flows.config import load_config
 
-    config = load_config(args.config)
+    # A bad config or override fails here, not in every scheduled run.
+    config = load_config(args.config, args.overrides)
     from prefect import serve
 
-    from flows.pipeline import pipeline_deployment
+    from flows.pipeline import deployments
 
-    serve(pipeline_deployment(args.config, args.cron, args.root, args.name or config.name))
+    name = args.name or config.name
+    serve(
+        *deployments(
+            args.config,
+            args.root,
+            name,
+            args.cron,
+            args.rerun_cron,
+            args.rerun_stage,
+            args.overrides,
+        )
+    )
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    from flows.config import load_config
+    from flows.deploy import apply_prefect_yaml, write_prefect_yaml
+
+    config = load_config(args.config, args.overrides)
+    path = write_prefect_yaml(
+        Path(args.out),
+        args.config,
+        args.root,
+        args.name or config.name,
+        args.pool,
+        args.cron,
+        args.rerun_cron,
+        args.rerun_stage,
+        args.overrides,
+    )
+    print(f"wrote {path}")
+    if args.apply:
+        return apply_prefect_yaml(path)
+    print(f"apply it with: prefect --no-prompt deploy --all --prefect-file {path}")
     return 0
 
 
@@ -262,7 +327,10 @@ def _ui(args: argparse.Namespace) -> int:
         "--port",
         str(args.port),
     ]
-    return subprocess.call(command)
+    # The UI asks the API at PREFECT_UI_API_URL, which defaults to port 4200 whatever
+    # --port says: without this the UI on another port shows "Can't connect".
+    env = {**os.environ, "PREFECT_UI_API_URL": f"{url}/api"}
+    return subprocess.call(command, env=env)
 
 
 if __name__ == "__main__":

@@ -2,19 +2,23 @@
 
 import time
 import uuid
+from pathlib import Path
 
 from prefect import flow, runtime
 from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 from pydantic import BaseModel, Field
 
+from data_prep.errors import ConfigError
 from flows.config import PipelineConfig, load_config
 from tasks.common import STAGES, Mode, Stage, StageOutput
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
 from tasks.ingest import ingest_task
+from tasks.plan import StagePlan, check_plan, plan_task, record_bases
 from tasks.preprocess import preprocess_task
 from tasks.promote import bless_task, promote_task
+from tasks.report import publish_run_artifacts
 from tasks.shard import shard_task
 from tasks.store import ArtifactStore
 from tasks.train import train_task
@@ -71,82 +75,103 @@ def _result(state) -> StageOutput:
     return state.result()
 
 
-@flow(name="recforge-pipeline", flow_run_name="{params.config}", log_prints=True)
-def pipeline(params: RunParams) -> str:
+def _run_name() -> str:
+    """Flow run names the UI lists: `tiny`, `tiny from evaluate`, `tiny: rerun export`."""
+    parameters = runtime.flow_run.parameters
+    name = Path(parameters["config"]).stem
+    if parameters.get("stage"):
+        return f"{name}: rerun {parameters['stage']}"
+    if parameters.get("from_stage"):
+        return f"{name} from {parameters['from_stage']}"
+    if parameters.get("only"):
+        return f"{name} only {','.join(parameters['only'])}"
+    return name
+
+
+@flow(name="recforge-pipeline", flow_run_name=_run_name, log_prints=True)
+def pipeline(
+    config: str,
+    root: str = "artifacts",
+    from_stage: Stage | None = None,
+    only: list[Stage] | None = None,
+    force: list[Stage] | None = None,
+    overrides: list[str] | None = None,
+) -> str:
     """Run ingest -> preprocess -> shard -> train -> evaluate -> export.
+
+    The parameters are flat (not one RunParams object) so that a deployment run can
+    change one of them: Prefect merges run parameters with the deployment's defaults by
+    top-level name. Their types are checked by the server before a run starts.
+
+    Args:
+        config: Pipeline YAML, e.g. configs/demo.yaml.
+        root: Artifact store root directory.
+        from_stage: Rerun this stage and every later one; reuse earlier outputs.
+        only: Rerun just these stages.
+        force: Rerun these even when cached.
+        overrides: section.key=value config overrides.
 
     Returns:
         The path of the run record, ``<root>/runs/<run_id>/summary.json``.
     """
-    config = load_config(params.config, params.overrides)
-    modes = plan_modes(params)
+    params = RunParams(
+        config=config,
+        root=root,
+        from_stage=from_stage,
+        only=only or [],
+        force=force or [],
+        overrides=overrides or [],
+    )
+    return run_pipeline(params)
+
+
+@flow(name="recforge-rerun", flow_run_name=_run_name, log_prints=True)
+def rerun(
+    config: str,
+    stage: Stage,
+    root: str = "artifacts",
+    downstream: bool = True,
+    overrides: list[str] | None = None,
+) -> str:
+    """Rerun one stage, reusing the published outputs of the stages before it.
+
+    Prefect can only retry a whole flow run; this is restart-from-task for recforge.
+    Upstream outputs come from the content-addressed store and must exist.
+
+    Args:
+        config: Pipeline YAML, e.g. configs/demo.yaml.
+        stage: The stage to rerun.
+        root: Artifact store root directory.
+        downstream: Also rerun every later stage (off: this stage only).
+        overrides: section.key=value config overrides.
+
+    Returns:
+        The path of the run record.
+    """
+    params = RunParams(
+        config=config,
+        root=root,
+        from_stage=stage if downstream else None,
+        only=[] if downstream else [stage],
+        overrides=overrides or [],
+    )
+    return run_pipeline(params)
+
+
+def run_pipeline(params: RunParams) -> str:
+    """The body of both flows: plan, the six stages, the gate, the run record."""
     root = params.root
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{str(runtime.flow_run.id or uuid.uuid4())[:8]}"
     outputs: dict[str, StageOutput] = {}
     promotion: dict = {}
+    plans: list[StagePlan] = []
     error: BaseException | None = None
+    config: PipelineConfig | None = None
     try:
-        outputs["ingest"] = _result(
-            ingest_task(
-                config.ingest,
-                config.schema_,
-                config.drift,
-                config.name,
-                root,
-                modes["ingest"],
-                return_state=True,
-            )
-        )
-        outputs["preprocess"] = _result(
-            preprocess_task(
-                config.preprocess,
-                config.schema_,
-                outputs["ingest"],
-                root,
-                modes["preprocess"],
-                return_state=True,
-            )
-        )
-        outputs["shard"] = _result(
-            shard_task(config.shard, outputs["preprocess"], root, modes["shard"], return_state=True)
-        )
-        outputs["train"] = _result(
-            train_task(
-                config.train,
-                outputs["shard"],
-                outputs["preprocess"],
-                root,
-                modes["train"],
-                return_state=True,
-            )
-        )
-        outputs["evaluate"] = _result(
-            evaluate_task(
-                config.evaluate,
-                config.train.model,
-                outputs["train"],
-                outputs["shard"],
-                outputs["preprocess"],
-                root,
-                modes["evaluate"],
-                return_state=True,
-            )
-        )
-        outputs["export"] = _result(
-            export_task(
-                config.export,
-                config.train.model,
-                config.schema_.item_key,
-                outputs["train"],
-                outputs["preprocess"],
-                outputs["shard"],
-                outputs["evaluate"],
-                root,
-                modes["export"],
-                ingest=outputs["ingest"],
-                return_state=True,
-            )
-        )
+        config = load_config(params.config, params.overrides)
+        plans = plan_task(config, plan_modes(params), root)
+        check_plan(plans)
+        run_stages(config, plans, root, outputs)
         promotion = bless_task(
             config.bless,
             config.evaluate,
@@ -162,13 +187,88 @@ def pipeline(params: RunParams) -> str:
             promotion = _promote(config, promotion, root)
     except BaseException as err:  # recorded in the run record, then re-raised
         error = err
-    record = build_run_record(run_id, params, outputs, error)
+    failed_at = None
+    if error is not None:
+        failed_at = "config" if config is None else "plan" if not plans else None
+        failed_at = failed_at or next((s for s in STAGES if s not in outputs), "gate")
+    record = build_run_record(run_id, params, outputs, error, failed_at)
     record["promotion"] = promotion
     path = ArtifactStore(root).write_run_record(run_id, record)
+    if config is not None and plans:
+        record_bases(config, root, plans, outputs)
+    publish_run_artifacts(record, path, params)
     print(f"run record: {path}")
     if error is not None:
         raise error
     return str(path)
+
+
+def run_stages(
+    config: PipelineConfig, plans: list[StagePlan], root: str, outputs: dict[str, StageOutput]
+) -> None:
+    """The six stage tasks in order, each in its planned mode; fills `outputs` as they end."""
+    modes = {p.stage: p.mode for p in plans}
+    outputs["ingest"] = _result(
+        ingest_task(
+            config.ingest,
+            config.schema_,
+            config.drift,
+            config.name,
+            root,
+            modes["ingest"],
+            return_state=True,
+        )
+    )
+    outputs["preprocess"] = _result(
+        preprocess_task(
+            config.preprocess,
+            config.schema_,
+            outputs["ingest"],
+            root,
+            modes["preprocess"],
+            return_state=True,
+        )
+    )
+    outputs["shard"] = _result(
+        shard_task(config.shard, outputs["preprocess"], root, modes["shard"], return_state=True)
+    )
+    outputs["train"] = _result(
+        train_task(
+            config.train,
+            outputs["shard"],
+            outputs["preprocess"],
+            root,
+            modes["train"],
+            return_state=True,
+        )
+    )
+    outputs["evaluate"] = _result(
+        evaluate_task(
+            config.evaluate,
+            config.train.model,
+            outputs["train"],
+            outputs["shard"],
+            outputs["preprocess"],
+            root,
+            modes["evaluate"],
+            return_state=True,
+        )
+    )
+    outputs["export"] = _result(
+        export_task(
+            config.export,
+            config.train.model,
+            config.schema_.item_key,
+            outputs["train"],
+            outputs["preprocess"],
+            outputs["shard"],
+            outputs["evaluate"],
+            root,
+            modes["export"],
+            ingest=outputs["ingest"],
+            return_state=True,
+        )
+    )
 
 
 def _promote(config: PipelineConfig, blessed: dict, root: str) -> dict:
@@ -194,9 +294,17 @@ def _promote(config: PipelineConfig, blessed: dict, root: str) -> dict:
 
 
 def build_run_record(
-    run_id: str, params: RunParams, outputs: dict[str, StageOutput], error: BaseException | None
+    run_id: str,
+    params: RunParams,
+    outputs: dict[str, StageOutput],
+    error: BaseException | None,
+    failed_at: str | None = None,
 ) -> dict:
-    """The run record (DESIGN.md): stage statuses, metrics and the model path."""
+    """The run record (DESIGN.md): stage statuses, metrics and the model path.
+
+    `failed_at` names where a failed run stopped: a stage, or `config`, `plan` (before
+    any stage ran) or `gate` (after export).
+    """
     stages = {}
     for stage in STAGES:
         if stage in outputs:
@@ -210,7 +318,7 @@ def build_run_record(
             if out.meta.get("resumed_from_step") is not None:
                 # A train attempt that continued from a checkpoint says from where.
                 stages[stage]["resumed_from_step"] = out.meta["resumed_from_step"]
-        elif error is not None and not any(s["status"] == "failed" for s in stages.values()):
+        elif error is not None and stage == failed_at:
             stages[stage] = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
         else:
             stages[stage] = {"status": "skipped"}
@@ -224,17 +332,59 @@ def build_run_record(
         "stages": stages,
         "metrics": metrics,
         "model": model,
-        **({"error": f"{type(error).__name__}: {error}"} if error is not None else {}),
+        **(
+            {"error": f"{type(error).__name__}: {error}", "failed_at": failed_at}
+            if error is not None
+            else {}
+        ),
     }
 
 
-def pipeline_deployment(config: str, cron: str, root: str, name: str):
-    """The pipeline as a scheduled deployment; every RunParams field is settable per run."""
-    return pipeline.to_deployment(
-        name=name,
-        cron=cron,
-        parameters={"params": RunParams(config=config, root=root).model_dump()},
-        description="recforge: ingest -> preprocess -> shard -> train -> evaluate -> export",
-        tags=["recforge"],
-        enforce_parameter_schema=True,  # bad parameters are rejected before a run starts
-    )
+def deployments(
+    config: str,
+    root: str,
+    name: str,
+    cron: str | None,
+    rerun_cron: str | None = None,
+    rerun_stage: Stage | None = None,
+    overrides: list[str] | None = None,
+) -> list:
+    """The pipeline and the per-stage rerun flow as deployments named `name`.
+
+    Every parameter is settable per run and typed: the server rejects an unknown stage
+    or a wrong type before a run starts (`enforce_parameter_schema`).
+
+    Args:
+        config: Pipeline YAML (made absolute: runs start in the serving process's cwd).
+        root: Artifact store root (made absolute).
+        name: Deployment name, e.g. the config's name.
+        cron: The pipeline's cron schedule (None: no schedule).
+        rerun_cron: The rerun flow's cron schedule (None: it runs only when triggered,
+            with the stage named in the run form).
+        rerun_stage: The stage a scheduled rerun starts from (needed with `rerun_cron`).
+        overrides: Default section.key=value overrides of both.
+    """
+    if rerun_cron and rerun_stage is None:
+        raise ConfigError("a rerun schedule needs the stage it reruns: pass --rerun-stage")
+    defaults = {
+        "config": str(Path(config).absolute()),
+        "root": str(Path(root).absolute()),
+        "overrides": list(overrides or []),
+    }
+    common = {"tags": ["recforge"], "enforce_parameter_schema": True}
+    return [
+        pipeline.to_deployment(
+            name=name,
+            cron=cron,
+            parameters=defaults,
+            description="recforge: ingest -> preprocess -> shard -> train -> evaluate -> export",
+            **common,
+        ),
+        rerun.to_deployment(
+            name=name,
+            cron=rerun_cron,
+            parameters={**defaults, **({"stage": rerun_stage} if rerun_stage else {})},
+            description="recforge: rerun one stage (and later ones), reusing earlier outputs",
+            **common,
+        ),
+    ]

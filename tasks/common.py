@@ -144,9 +144,11 @@ def run_stage(
 
 
 def as_state(output: StageOutput) -> StageOutput | State:
-    """What a task returns: a cache hit shows in Prefect as a ``Cached`` state."""
+    """What a task returns: a cache hit shows in Prefect as ``Cached``, a skip as ``Skipped``."""
     if output.status == "cached":
         return Completed(name="Cached", message=f"cache hit: {output.output}", data=output)
+    if output.status == "skipped":
+        return Completed(name="Skipped", message="after the last --only stage", data=output)
     return output
 
 

@@ -23,7 +23,7 @@ MODULES = [
 ]
 
 
-@task(name="evaluate", **task_options())
+@task(name="evaluate", task_run_name="evaluate", **task_options())
 def evaluate_task(
     config: EvaluateConfig,
     model: str,

@@ -26,7 +26,7 @@ MODULES = [
 ]
 
 
-@task(name="export", **task_options())
+@task(name="export", task_run_name="export", **task_options())
 def export_task(
     config: ExportConfig,
     model: str,
@@ -103,7 +103,7 @@ def export_task(
 
     output = run_stage("export", fp, mode, root, produce)
     if output.status == "skipped":
-        return output
+        return as_state(output)
     store = ArtifactStore(root)
     model_dir = store.root / "registry" / config.model_name / fp[:12]
     if output.status == "ran" or not (model_dir / "_manifest.json").exists():

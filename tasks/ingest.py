@@ -37,7 +37,19 @@ MODULES = [
 STATS_FILE = "stats.json"
 
 
-@task(name="ingest", **task_options())
+def ingest_section(
+    config: IngestConfig, schema: SchemaConfig, drift: DriftConfig, inputs: list[dict]
+) -> dict:
+    """What ingest's fingerprint covers: its settings and the raw files (describe_inputs)."""
+    return {
+        "ingest": config.model_dump(),
+        "schema": schema.model_dump(),
+        "drift": drift.model_dump(),
+        "inputs": inputs,
+    }
+
+
+@task(name="ingest", task_run_name="ingest", **task_options())
 def ingest_task(
     config: IngestConfig,
     schema: SchemaConfig,
@@ -47,12 +59,7 @@ def ingest_task(
     mode: Mode,
 ) -> StageOutput:
     """Validate raw logs into clean events and a quarantine; compare with the last run."""
-    section = {
-        "ingest": config.model_dump(),
-        "schema": schema.model_dump(),
-        "drift": drift.model_dump(),
-        "inputs": describe_inputs(config.path, config.format),
-    }
+    section = ingest_section(config, schema, drift, describe_inputs(config.path, config.format))
     fp = stage_fingerprint("ingest", section, [], MODULES)
     store = ArtifactStore(root)
     logger = get_run_logger()

@@ -26,13 +26,17 @@ MODULES = [
 ]
 
 
-@task(name="preprocess", **task_options())
+def preprocess_section(config: PreprocessConfig, schema: SchemaConfig) -> dict:
+    """What preprocess's fingerprint covers besides ingest's output."""
+    return {"preprocess": config.model_dump(), "schema": schema.model_dump()}
+
+
+@task(name="preprocess", task_run_name="preprocess", **task_options())
 def preprocess_task(
     config: PreprocessConfig, schema: SchemaConfig, ingest: StageOutput, root: str, mode: Mode
 ) -> StageOutput:
     """Split clean events, fit the feature transform on train, transform every split."""
-    section = {"preprocess": config.model_dump(), "schema": schema.model_dump()}
-    fp = stage_fingerprint("preprocess", section, [ingest], MODULES)
+    fp = stage_fingerprint("preprocess", preprocess_section(config, schema), [ingest], MODULES)
 
     def produce(out_dir: Path) -> dict:
         with terminal_progress("preprocess rows", ingest.meta.get("good_rows")) as advance:

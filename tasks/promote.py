@@ -78,7 +78,7 @@ def champion_metrics_on(
     return metrics, f"champion {champion} scored on this run's {config.split} split"
 
 
-@task(name="bless", retries=0, persist_result=False)
+@task(name="bless", task_run_name="bless", retries=0, persist_result=False)
 def bless_task(
     config: BlessConfig,
     evaluate_config: EvaluateConfig,
@@ -142,7 +142,7 @@ def bless_task(
     }
 
 
-@task(name="promote", retries=0, persist_result=False)
+@task(name="promote", task_run_name="promote", retries=0, persist_result=False)
 def promote_task(model_name: str, version: str, root: str, reason: str) -> dict[str, Any]:
     """Move CHAMPION to `version` after verifying its package; unchanged on any failure."""
     record = Registry(root, model_name).promote(version, reason)

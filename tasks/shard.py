@@ -12,7 +12,7 @@ from tasks.progress import terminal_progress
 MODULES = ["data_prep/shard.py", "data_prep/transform.py"]
 
 
-@task(name="shard", **task_options())
+@task(name="shard", task_run_name="shard", **task_options())
 def shard_task(config: ShardConfig, preprocess: StageOutput, root: str, mode: Mode) -> StageOutput:
     """Write balanced, shuffled train/valid/test shards and dataset.json."""
     fp = stage_fingerprint("shard", config.model_dump(), [preprocess], MODULES)

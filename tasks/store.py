@@ -172,6 +172,19 @@ class ArtifactStore:
             self.root / "latest" / pipeline / f"{stage}.json", {"output": str(output)}
         )
 
+    def read_latest_json(self, pipeline: str, name: str) -> dict | None:
+        """``latest/<pipeline>/<name>``, or None when there is none (or it does not parse)."""
+        try:
+            return json.loads((self.root / "latest" / pipeline / name).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def write_latest_json(self, pipeline: str, name: str, payload: dict) -> Path:
+        """Replace ``latest/<pipeline>/<name>`` atomically; returns its path."""
+        path = self.root / "latest" / pipeline / name
+        _write_json_atomic(path, payload)
+        return path
+
     def write_run_record(self, run_id: str, record: dict) -> Path:
         path = self.root / "runs" / run_id / "summary.json"
         _write_json_atomic(path, record)

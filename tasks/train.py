@@ -61,7 +61,7 @@ def free_port() -> int:
 
 
 # A crashed or killed rank is transient: retry after 10 s, 20 s.
-@task(name="train", **task_options(backoff_seconds=10.0, retries=2))
+@task(name="train", task_run_name="train", **task_options(backoff_seconds=10.0, retries=2))
 def train_task(
     config: TrainConfig, shard: StageOutput, preprocess: StageOutput, root: str, mode: Mode
 ) -> StageOutput:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 def run(root: Path, raw: Path, *overrides: str) -> dict:
     params = RunParams(config=TINY, root=str(root), overrides=[f"ingest.path={raw}", *overrides])
-    return json.loads(Path(pipeline(params)).read_text())
+    return json.loads(Path(pipeline(**params.model_dump())).read_text())
 
 
 def shuffled_labels(raw: Path, out: Path) -> Path:

@@ -1,5 +1,8 @@
+from pathlib import Path
+
 import pytest
 
+from data_prep.errors import ConfigError
 from flows.cli import build_parser, main
 
 
@@ -47,21 +50,72 @@ def test_unknown_override_fails_fast(capsys):
     assert "train.lrr" in capsys.readouterr().err
 
 
-def test_serve_builds_a_scheduled_deployment_with_typed_parameters():
+def test_serve_builds_the_pipeline_and_rerun_deployments_with_typed_parameters():
     from prefect.utilities.callables import parameter_schema
 
-    from flows.pipeline import pipeline, pipeline_deployment
+    from flows.pipeline import deployments, pipeline, rerun
 
-    deployment = pipeline_deployment("configs/tiny.yaml", "0 3 * * *", "artifacts", "tiny")
-    assert deployment.name == "tiny"
-    assert deployment.schedules[0].schedule.cron == "0 3 * * *"
-    assert deployment.parameters["params"]["config"] == "configs/tiny.yaml"
-    # The UI form comes from RunParams: stage names are an enum, so typos are rejected.
-    assert deployment.enforce_parameter_schema
+    main_run, rerun_run = deployments(
+        "configs/tiny.yaml", "artifacts", "tiny", "0 3 * * *", overrides=["train.lr=0.01"]
+    )
+    assert (main_run.name, rerun_run.name) == ("tiny", "tiny")
+    assert main_run.flow_name == "recforge-pipeline" and rerun_run.flow_name == "recforge-rerun"
+    assert main_run.schedules[0].schedule.cron == "0 3 * * *"
+    assert not rerun_run.schedules  # triggered with a stage, unless --rerun-cron
+    assert main_run.parameters["config"] == str(Path("configs/tiny.yaml").absolute())
+    assert main_run.parameters["overrides"] == ["train.lr=0.01"]
+    # Flat, typed parameters: stage names are an enum, so the server rejects typos.
+    assert main_run.enforce_parameter_schema and rerun_run.enforce_parameter_schema
     schema = parameter_schema(pipeline.fn).model_dump()
-    run_params = schema["definitions"]["RunParams"]["properties"]
-    assert {"config", "root", "from_stage", "only", "force", "overrides"} <= set(run_params)
-    assert "evaluate" in str(run_params["from_stage"])
+    assert {"config", "root", "from_stage", "only", "force", "overrides"} <= set(
+        schema["properties"]
+    )
+    assert schema["required"] == ["config"]
+    assert "evaluate" in str(schema["properties"]["from_stage"])
+    rerun_schema = parameter_schema(rerun.fn).model_dump()
+    assert set(rerun_schema["required"]) == {"config", "stage"}
+    assert "Rerun just" not in str(rerun_schema) and "stage to rerun" in str(rerun_schema)
+
+    scheduled = deployments("configs/tiny.yaml", "a", "tiny", None, "0 4 * * *", "evaluate")[1]
+    assert scheduled.parameters["stage"] == "evaluate"
+    with pytest.raises(ConfigError, match="--rerun-stage"):
+        deployments("configs/tiny.yaml", "a", "tiny", None, "0 4 * * *")
+
+
+def test_deploy_writes_a_prefect_yaml_for_a_work_pool(tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "prefect.yaml"
+    argv = ["deploy", "configs/tiny.yaml", "--pool", "cpu", "--cron", "0 3 * * *", "--out"]
+    assert main([*argv, str(out), "--set", "train.lr=0.01"]) == 0
+    assert "prefect --no-prompt deploy --all" in capsys.readouterr().out
+    document = yaml.safe_load(out.read_text())
+    by_entry = {d["entrypoint"]: d for d in document["deployments"]}
+    pipeline, rerun = by_entry["flows/pipeline.py:pipeline"], by_entry["flows/pipeline.py:rerun"]
+    assert pipeline["name"] == rerun["name"] == "tiny"
+    assert pipeline["work_pool"]["name"] == "cpu" and pipeline["enforce_parameter_schema"]
+    assert pipeline["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC"}]
+    assert rerun["schedules"] == []
+    assert pipeline["parameters"]["overrides"] == ["train.lr=0.01"]
+    workdir = document["pull"][0]["prefect.deployments.steps.set_working_directory"]
+    assert (Path(workdir["directory"]) / "flows" / "pipeline.py").is_file()
+    # A bad config is refused before anything is written.
+    assert (
+        main(
+            [
+                "deploy",
+                "configs/tiny.yaml",
+                "--pool",
+                "cpu",
+                "--out",
+                str(tmp_path / "b.yaml"),
+                "--set",
+                "train.bogus=1",
+            ]
+        )
+        == 2
+    )
+    assert not (tmp_path / "b.yaml").exists()
 
 
 def test_task_runner_flags():

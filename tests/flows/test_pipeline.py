@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,14 +34,14 @@ def raw_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def first_run(prefect_server, raw_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
-    path = pipeline(RunParams(config=TINY, root=str(root), overrides=[f"ingest.path={raw_dir}"]))
+    path = pipeline(config=TINY, root=str(root), overrides=[f"ingest.path={raw_dir}"])
     return root, json.loads(Path(path).read_text())
 
 
 def run(root, raw_dir, **kwargs) -> dict:
     overrides = [f"ingest.path={raw_dir}", *kwargs.pop("overrides", [])]
     params = RunParams(config=TINY, root=str(root), overrides=overrides, **kwargs)
-    return json.loads(Path(pipeline(params)).read_text())
+    return json.loads(Path(pipeline(**params.model_dump())).read_text())
 
 
 def statuses(record: dict) -> list[str]:
@@ -67,7 +68,7 @@ def test_first_run_runs_all_stages_and_records_metrics(first_run):
 def test_second_run_is_all_cached_and_shows_as_cached_in_prefect(first_run, raw_dir):
     root, record = first_run
     params = RunParams(config=TINY, root=str(root), overrides=[f"ingest.path={raw_dir}"])
-    state = pipeline(params, return_state=True)
+    state = pipeline(**params.model_dump(), return_state=True)
     again = json.loads(Path(state.result()).read_text())
     assert statuses(again) == ["cached"] * 6
     assert again["metrics"] == record["metrics"] and again["model"] == record["model"]
@@ -86,6 +87,46 @@ def test_training_hyperparameter_reruns_train_evaluate_export(first_run, raw_dir
     assert statuses(changed) == ["cached"] * 3 + ["ran"] * 3
     assert changed["stages"]["train"]["fingerprint"] != record["stages"]["train"]["fingerprint"]
     assert changed["model"] != record["model"]
+
+
+def artifacts(state) -> dict[str, str]:
+    """The flow run's artifacts by key (Markdown or table data as text)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    return {a.key: str(a.data) for a in found if a.key}
+
+
+def test_the_plan_says_what_will_run_and_why_before_anything_runs(first_run, raw_dir):
+    from flows.pipeline import plan_modes
+    from tasks.plan import plan_run
+
+    root, record = first_run
+    overrides = [f"ingest.path={raw_dir}", "train.lr=0.02"]
+    params = RunParams(config=TINY, root=str(root), overrides=overrides, force=["shard"])
+    plans = {p.stage: p for p in plan_run(load_config(TINY, overrides), plan_modes(params), root)}
+    assert [plans[s].action for s in STAGES] == ["cached", "cached", "run", "run", "run", "run"]
+    assert plans["shard"].reason.startswith("selected")
+    # Against the basis of the train output last published (an earlier test's lr, or tiny's).
+    assert len(plans["train"].changes) == 1
+    assert re.fullmatch(r"train\.lr: [0-9.e-]+ -> 0\.02", plans["train"].changes[0])
+    assert plans["evaluate"].changes == ["upstream train changed"]
+    assert plans["ingest"].fingerprint == record["stages"]["ingest"]["fingerprint"]
+
+    state = pipeline(**params.model_dump(), return_state=True)
+    ran = json.loads(Path(state.result()).read_text())
+    assert statuses(ran) == ["cached", "cached", "ran", "ran", "ran", "ran"]
+    for stage in STAGES:  # the plan's fingerprints are the tasks' own
+        assert ran["stages"][stage]["fingerprint"] == plans[stage].fingerprint, stage
+    shown = artifacts(state)
+    assert "| train | **run** |" in shown["plan"] and "train.lr: " in shown["plan"]
+    assert "| ingest | **cached** |" in shown["plan"]
+    assert ran["model"] in shown["run-record"] and "failure" not in shown
 
 
 def test_deleted_output_runs_again(first_run, raw_dir):
@@ -208,14 +249,18 @@ def task_runs(state) -> dict[str, tuple[str, int]]:
 
 def test_missing_input_fails_once_without_output(prefect_server, tmp_path):
     params = RunParams(config=TINY, root=str(tmp_path), overrides=[f"ingest.path={tmp_path}/none"])
-    state = pipeline(params, return_state=True)
+    state = pipeline(**params.model_dump(), return_state=True)
     assert state.is_failed()
     with pytest.raises(InputNotFoundError, match="does not exist"):
         state.result()
-    assert task_runs(state) == {"ingest": ("Failed", 1)}
+    # The plan fails before any stage starts, once (no retries).
+    assert task_runs(state) == {}
     assert not (tmp_path / "stages" / "ingest").exists()
     record = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
-    assert record["status"] == "failed" and record["stages"]["ingest"]["status"] == "failed"
+    assert record["status"] == "failed" and record["failed_at"] == "plan"
+    assert {s["status"] for s in record["stages"].values()} == {"skipped"}
+    failure = artifacts(state)["failure"]
+    assert "before any stage ran" in failure and "does not exist" in failure
 
 
 def test_all_malformed_rows_fail_once_and_keep_quarantine(prefect_server, tmp_path):
@@ -226,10 +271,13 @@ def test_all_malformed_rows_fail_once_and_keep_quarantine(prefect_server, tmp_pa
         + "yesterday,1,1,c,ios,1,k,1.0,1,0,0.1\n" * 20
     )
     params = RunParams(config=TINY, root=str(tmp_path / "art"), overrides=[f"ingest.path={raw}"])
-    state = pipeline(params, return_state=True)
+    state = pipeline(**params.model_dump(), return_state=True)
     with pytest.raises(SchemaError, match="20 of 20 rows"):
         state.result()
     assert task_runs(state) == {"ingest": ("Failed", 1)}
+    failure = artifacts(state)["failure"]
+    assert "Stage `ingest` failed" in failure and "20 of 20 rows" in failure
+    assert f"--root {tmp_path / 'art'} --set ingest.path={raw} --from ingest" in failure
     ingest_dir = tmp_path / "art" / "stages" / "ingest"
     assert [p for p in ingest_dir.iterdir() if not p.name.startswith(".")] == []
     kept = list((tmp_path / "art" / "failed" / "ingest").glob("*/quarantine/*.parquet"))
@@ -245,7 +293,7 @@ def test_drift_against_the_previous_run_warns_or_fails_by_policy(first_run, tmp_
     generate_logs(config.generate)
     overrides = [f"ingest.path={drifted}", "drift.policy=fail"]
     params = RunParams(config=TINY, root=str(root), only=["ingest"], overrides=overrides)
-    state = pipeline(params, return_state=True)
+    state = pipeline(**params.model_dump(), return_state=True)
     with pytest.raises(DataError, match=r"city psi"):
         state.result()
 
@@ -272,7 +320,7 @@ def test_dask_cluster_gives_the_same_data_outputs_as_threads(first_run, raw_dir,
         overrides=[f"ingest.path={raw_dir}"],
     )
     on_dask = pipeline.with_options(task_runner=DaskTaskRunner(cluster_kwargs=cluster))
-    state = on_dask(params, return_state=True)
+    state = on_dask(**params.model_dump(), return_state=True)
     dask_record = json.loads(Path(state.result()).read_text())
     # The per-file steps ran as their own task runs on the cluster.
     from prefect import get_client

@@ -51,7 +51,7 @@ def raw(tmp_path_factory) -> Path:
 def sequence_run(prefect_server, raw, tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
     params = RunParams(config=TINY, root=str(root), overrides=[f"ingest.path={raw}", *SEQUENCE])
-    return root, raw, json.loads(Path(pipeline(params)).read_text())
+    return root, raw, json.loads(Path(pipeline(**params.model_dump())).read_text())
 
 
 def test_sasrec_runs_every_stage_and_records_ranking_metrics(sequence_run):
@@ -115,7 +115,7 @@ def test_rerun_from_evaluate_reuses_the_trained_pipeline(sequence_run):
         from_stage="evaluate",
         overrides=[f"ingest.path={raw}", *SEQUENCE],
     )
-    record = json.loads(Path(pipeline(params)).read_text())
+    record = json.loads(Path(pipeline(**params.model_dump())).read_text())
     assert [record["stages"][s]["status"] for s in STAGES] == ["cached"] * 4 + ["ran"] * 2
 
 
@@ -130,7 +130,7 @@ def test_bst_trains_as_a_pipeline_and_exports_a_candidate_scorer(prefect_server,
         "export.model_name=tiny-bst",
     ]
     params = RunParams(config=TINY, root=str(tmp_path), overrides=overrides)
-    record = json.loads(Path(pipeline(params)).read_text())
+    record = json.loads(Path(pipeline(**params.model_dump())).read_text())
     assert [record["stages"][s]["status"] for s in STAGES] == ["ran"] * 6
     metrics = record["metrics"]
     # BST scores one candidate per pass: the sampled protocol only, with the baseline.
