@@ -35,9 +35,10 @@ def evaluate_task(
 ) -> StageOutput:
     """Score the test split and write metrics.json.
 
-    CTR models: AUC and logloss over the shards. Sequence models (`model` in
-    SEQUENCE_MODELS): leave-one-out ranking of preprocess's sequences, with the
-    popularity baseline.
+    CTR models: AUC and logloss over the shards, slices named through preprocess's
+    transform.json, and scores_head.npy (export's infra validation reference).
+    Sequence models (`model` in SEQUENCE_MODELS): leave-one-out ranking of
+    preprocess's sequences, with the popularity baseline.
     """
     upstream = [train, shard, preprocess]
     fp = stage_fingerprint("evaluate", config.model_dump(), upstream, MODULES)
@@ -47,7 +48,14 @@ def evaluate_task(
             sequences = Path(preprocess.output) / "sequences"
             result = evaluate_sequence_model(config, Path(train.output), sequences, out_dir)
         else:
-            result = evaluate_model(config, Path(train.output), Path(shard.output), out_dir)
+            result = evaluate_model(
+                config,
+                Path(train.output),
+                Path(shard.output),
+                out_dir,
+                # Names slice values by their raw value (slice/city=Paris, not #3).
+                transform_path=Path(preprocess.output) / "transform.json",
+            )
         return {"metrics": json.loads(result.metrics_path.read_text())}
 
     output = run_stage("evaluate", fp, mode, root, produce)

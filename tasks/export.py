@@ -13,7 +13,15 @@ from training.export import export_model
 from training.sequence_export import export_sequence_model
 
 # The infra validation figures kept in the stage's manifest (the package holds the rest).
-INFRA_KEYS = ("rows", "p50_ms", "p99_ms", "batch_p50_ms", "batch_p99_ms", "max_abs_diff")
+INFRA_KEYS = (
+    "rows",
+    "p50_ms",
+    "p99_ms",
+    "batch_p50_ms",
+    "batch_p99_ms",
+    "max_abs_diff",
+    "max_abs_diff_vs_evaluate",
+)
 MODULES = [
     "training/bst.py",
     "training/bst_export.py",
@@ -44,7 +52,8 @@ def export_task(
     Sequence models (`model` in SEQUENCE_MODELS) export a top-K recommender: history ->
     the `config.top_k` best item indices and scores (`item_field` names the item ids).
     CTR models given `ingest` are infra-validated: the package's own score.py scores raw
-    test events in a fresh interpreter (`infra_validation.json`).
+    test events in a fresh interpreter (`infra_validation.json`), and its scores of them
+    must be the evaluate stage's (`scores_head.npy`) of the same rows.
     """
     upstream = [train, preprocess, shard, evaluate, *([ingest] if ingest is not None else [])]
     section = {**config.model_dump(), "model": model, "item_field": item_field}
@@ -92,6 +101,7 @@ def export_task(
             Path(evaluate.output) / "metrics.json",
             out_dir,
             events_dir=Path(ingest.output) / "events" if ingest is not None else None,
+            evaluate_dir=Path(evaluate.output),
         )
         return {
             "parity_max_abs_diff_onnx": result.parity_max_abs_diff_onnx,

@@ -69,7 +69,11 @@ def champion_metrics_on(
                 sequences = Path(preprocess.output) / "sequences"
                 result = evaluate_sequence_model(config, package, sequences, Path(scratch))
             else:
-                result = evaluate_model(config, package, Path(shard.output), Path(scratch))
+                # The package's transform is ours (checked above): slice keys match the
+                # candidate's, so slice thresholds compare the same values.
+                result = evaluate_model(
+                    config, package, Path(shard.output), Path(scratch), package / TRANSFORM
+                )
         except DeterministicError as error:
             return None, f"champion {champion} could not be scored on this data: {error}"
         metrics = json.loads(result.metrics_path.read_text())

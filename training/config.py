@@ -388,6 +388,21 @@ class EvaluateConfig(BaseModel):
         description="CTR models: shard column that identifies the user, for GAUC; None "
         "takes dataset.json's user_key, and without one GAUC is not reported.",
     )
+    score_sample_rows: int = Field(
+        256,
+        ge=1,
+        description="CTR models: the first rows of the split whose scores evaluate saves "
+        "(scores_head.npy), the reference export's infra validation compares the package's "
+        "raw-record scores with; at least export.infra_validation_rows.",
+    )
+    workers: int = Field(
+        1,
+        ge=1,
+        description="CTR models: processes scoring the split, each a disjoint part of its "
+        "files (or of every file's rows, when there are fewer files than workers); their "
+        "metric accumulators are merged. 1 scores in this process. Each worker uses "
+        "cpu_count // workers torch threads.",
+    )
 
     @model_validator(mode="after")
     def _check_ks(self) -> EvaluateConfig:

@@ -3,7 +3,7 @@
 Reads `<train_dir>/model_config.json` and `<train_dir>/model.safetensors`, the split's
 Parquet files (streamed in batches; predictions go into streaming accumulators of
 `training.metrics`, never into one array of the split) and, when given, preprocess's
-`transform.json` (only to name slice values). Writes two files into `out_dir`.
+`transform.json` (only to name slice values). Writes three files into `out_dir`.
 
 `metrics.json`, flat keys with JSON numbers unless said otherwise:
 
@@ -32,12 +32,36 @@ Parquet files (streamed in batches; predictions go into streaming accumulators o
 `calibration.json`: `split`, `num_bins` and `bins`, one per equal-width probability bin
 of the primary task's predictions (`evaluate.calibration_bins`): `lower`, `upper`,
 `count`, `mean_prediction`, `observed_rate` (null for an empty bin).
+
+`scores_head.npy`: float32 probabilities of the first `evaluate.score_sample_rows` rows
+of the split (fewer when it is shorter), in the order `iter_tables(shards_dir, meta,
+split, 0, 1, ...)` yields them (the split's files in dataset.json order, rows in file
+order); shape (N,) for one task, (N, T) for several, like the exported package's
+`score`. Export's infra validation scores the raw events of the same rows through the
+package and compares (`training.export`): the evaluate stage is the reference.
+
+Rows are scored in batches of `evaluate.batch_size` that never cross a shard file.
+Workers: with `evaluate.workers` = P > 1, min(P, files of the split) spawned processes
+score the split, worker r every P-th file from file r (as `rank_slices` assigns files to
+ranks), and return their accumulators, which are merged in rank order; more workers than
+files would idle, so write more eval shards (`shard.num_eval_shards`) to use more. Every
+row is scored in the same batch as in one process, so it gets the same score, and counts
+and AUCs are those of one process: the exact AUC and GAUC keep every (label, score) row
+and rank them after the merge (a user whose rows two workers scored is one group), the
+bucketed AUC and the bins add integer counts. Only the float sums behind logloss, click
+rate and mean prediction are added in another order (they agree to ~1e-15). A spawned
+worker re-imports the caller's `__main__` module, which must guard its entry point with
+`if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,12 +70,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from data_prep.errors import ConfigError, SchemaError
+from data_prep.errors import ConfigError, SchemaError, TransientError
 from data_prep.transform import hash_strings, load_transform
 from training.config import EvaluateConfig
 from training.data import (
     DATASET_FILE,
     DatasetMeta,
+    SplitMeta,
     iter_tables,
     load_dataset_meta,
     model_columns,
@@ -64,10 +89,11 @@ from training.metrics import (
     ReliabilityBins,
     SliceMetrics,
 )
-from training.model import load_model
+from training.model import CTRModel, load_model
 
 METRICS_FILE = "metrics.json"
 CALIBRATION_FILE = "calibration.json"
+SCORES_HEAD_FILE = "scores_head.npy"
 # Slicing keeps an AUC accumulator per value and writes six keys per value: meant for
 # features like city or device. Users go into GAUC instead.
 MAX_SLICE_VALUES = 1000
@@ -95,6 +121,7 @@ class EvaluateResult:
         gauc: Grouped AUC over users, or None without a user column.
         gauc_users: Users GAUC averages over, or None without a user column.
         calibration_path: The written calibration.json (reliability bins).
+        scores_head_path: The written scores_head.npy (scores of the first rows).
     """
 
     metrics_path: Path
@@ -111,6 +138,7 @@ class EvaluateResult:
     gauc: float | None
     gauc_users: int | None
     calibration_path: Path
+    scores_head_path: Path
 
 
 def evaluate_model(
@@ -122,11 +150,16 @@ def evaluate_model(
 ) -> EvaluateResult:
     """Score every row of a split with the trained model and write its metrics.
 
+    With `config.workers` > 1 the split is scored by up to that many spawned processes,
+    each reading a disjoint set of its files; their accumulators are merged in rank
+    order, which gives the metrics one process would (see the module docstring).
+
     Args:
-        config: The evaluate config (split, batch size, AUC counting, slices).
+        config: The evaluate config (split, batch size, AUC counting, slices, workers).
         train_dir: The train stage's output (model_config.json, model.safetensors).
         shards_dir: The shard directory.
-        out_dir: Where metrics.json and calibration.json go; created if missing.
+        out_dir: Where metrics.json, calibration.json and scores_head.npy go; created
+            if missing.
         transform_path: preprocess's transform.json, to name slice values by their raw
             value; None keys them by index.
 
@@ -140,6 +173,7 @@ def evaluate_model(
         ConfigError: `evaluate.slice_by` or `evaluate.user_key` names a column the
             shards do not have as a usable feature.
         ValueError: The model predicts NaN.
+        TransientError: A worker process died (killed, or out of memory).
     """
     model, model_config = load_model(train_dir)
     tasks = list(model_config["tasks"])
@@ -150,45 +184,28 @@ def evaluate_model(
     transform = load_transform(transform_path) if transform_path is not None else None
     columns = model_columns(meta, tasks) + ([meta.oracle] if meta.oracle else [])
     columns = list(dict.fromkeys([*columns, *config.slice_by, *([user_key] if user_key else [])]))
-
-    def new_auc() -> AUCAccumulator:
-        return AUCAccumulator(config.auc_mode, config.auc_buckets, config.exact_auc_max_rows)
-
-    aucs = [new_auc() for _ in tasks]
-    stats = [CTRStats() for _ in tasks]
-    oracle_auc = new_auc() if meta.oracle else None
-    reliability = ReliabilityBins(config.calibration_bins)
-    gauc = GroupedAUC() if user_key else None
-    # A hashed user id (or a raw key column) has no OOV index: every id is a user.
-    skip_oov_user = user_key in meta.sparse_names and _has_vocabulary(transform, user_key)
-    slices = {
-        feature: SliceMetrics(config.auc_mode, config.auc_buckets, config.exact_auc_max_rows)
-        for feature in config.slice_by
-    }
-    tables = iter_tables(
-        shards_dir, meta, config.split, 0, 1, config.batch_size, columns, drop_last=False
+    plan = _ScoringPlan(
+        config=config,
+        train_dir=Path(train_dir),
+        shards_dir=Path(shards_dir),
+        tasks=tasks,
+        columns=columns,
+        user_key=user_key,
+        # A hashed user id (or a raw key column) has no OOV index: every id is a user.
+        skip_oov_user=user_key in meta.sparse_names and _has_vocabulary(transform, user_key),
+        head_rows=min(config.score_sample_rows, meta.split(config.split).rows),
     )
-    with torch.no_grad():
-        for table in tables:
-            batch = to_batch(table, meta, tasks)
-            logits = model(batch.sparse, batch.dense, *batch.multi_hot)  # (B, T)
-            probabilities = torch.sigmoid(logits.double()).numpy()  # (B, T)
-            labels = batch.labels.numpy()  # (B, T)
-            if np.isnan(probabilities).any():
-                raise ValueError(f"the model in {train_dir} predicts NaN; its training diverged")
-            for t in range(len(tasks)):
-                aucs[t].update(labels[:, t], probabilities[:, t])
-                stats[t].update(labels[:, t], probabilities[:, t])
-            # The first task is the primary one: the rest of the metrics are about it.
-            y, p = labels[:, 0], probabilities[:, 0]  # (B,)
-            reliability.update(y, p)
-            if oracle_auc is not None:
-                _update_oracle(oracle_auc, y, table, meta.oracle, shards_dir)
-            if gauc is not None:
-                users, known = _user_groups(table.column(user_key), skip_oov_user)
-                gauc.update(users[known], y[known], p[known])
-            for feature, metrics in slices.items():
-                metrics.update(table.column(feature).to_numpy(), y, p)
+    num_files = len(meta.split(config.split).files)
+    if config.workers == 1 or num_files <= 1:
+        parts = [_score_files(plan, model, meta, 0, 1)]
+    else:
+        del model  # every worker loads its own copy
+        parts = _score_in_workers(plan, num_files)
+    merged = parts[0]
+    for part in parts[1:]:
+        merged.merge(part)
+    aucs, stats, reliability = merged.aucs, merged.stats, merged.reliability
+    oracle_auc, gauc, slices = merged.oracle_auc, merged.gauc, merged.slices
     if stats[0].rows == 0:
         raise SchemaError(f"split {config.split!r} of {shards_dir} has no rows to evaluate")
     try:
@@ -249,6 +266,9 @@ def evaluate_model(
         "bins": reliability.bins(),
     }
     calibration_path.write_text(json.dumps(calibration, indent=2) + "\n")
+    head = merged.head_scores(plan.head_rows, len(tasks))  # (N, T)
+    scores_head_path = out_dir / SCORES_HEAD_FILE
+    np.save(scores_head_path, head[:, 0] if len(tasks) == 1 else head)
     return EvaluateResult(
         metrics_path=metrics_path,
         split=config.split,
@@ -264,7 +284,168 @@ def evaluate_model(
         gauc=gauc_value.gauc if gauc_value else None,
         gauc_users=(gauc_value.groups if gauc_value else 0) if gauc is not None else None,
         calibration_path=calibration_path,
+        scores_head_path=scores_head_path,
     )
+
+
+@dataclass(frozen=True)
+class _ScoringPlan:
+    """What scoring a part of the split needs; picklable, for worker processes."""
+
+    config: EvaluateConfig
+    train_dir: Path
+    shards_dir: Path
+    tasks: list[str]
+    columns: list[str]  # shard columns to read
+    user_key: str | None  # GAUC's user column, None without GAUC
+    skip_oov_user: bool  # leave rows of user index 0 (OOV) out of GAUC
+    head_rows: int  # first rows of the split whose scores go to scores_head.npy
+
+
+class _Accumulators:
+    """The mergeable metric state of one part of a split (see `training.metrics`).
+
+    `aucs` and `stats` hold one accumulator per task; reliability, oracle AUC, GAUC and
+    slices are about the primary task. `head` keeps the scores of the part's rows that
+    are among the split's first `head_rows`, with their positions in the split.
+    """
+
+    def __init__(self, plan: _ScoringPlan, oracle: bool) -> None:
+        config = plan.config
+        settings = (config.auc_mode, config.auc_buckets, config.exact_auc_max_rows)
+        self.aucs = [AUCAccumulator(*settings) for _ in plan.tasks]
+        self.stats = [CTRStats() for _ in plan.tasks]
+        self.oracle_auc = AUCAccumulator(*settings) if oracle else None
+        self.reliability = ReliabilityBins(config.calibration_bins)
+        self.gauc = GroupedAUC() if plan.user_key else None
+        self.slices = {feature: SliceMetrics(*settings) for feature in config.slice_by}
+        self.head: list[tuple[np.ndarray, np.ndarray]] = []  # ((n,) positions, (n, T) scores)
+
+    def merge(self, other: _Accumulators) -> None:
+        """Add another part's state. GAUC keeps every row, so a user whose rows two
+        parts scored is one group after the merge, as in one process."""
+        for mine, theirs in zip(self.aucs, other.aucs, strict=True):
+            mine.merge(theirs)
+        for mine, theirs in zip(self.stats, other.stats, strict=True):
+            mine.merge(theirs)
+        if self.oracle_auc is not None:
+            self.oracle_auc.merge(other.oracle_auc)
+        self.reliability.merge(other.reliability)
+        if self.gauc is not None:
+            self.gauc.merge(other.gauc)
+        for feature, metrics in self.slices.items():
+            metrics.merge(other.slices[feature])
+        self.head.extend(other.head)
+
+    def head_scores(self, rows: int, num_tasks: int) -> np.ndarray:
+        """(rows, T) float32 scores of the split's first rows, in split order."""
+        scores = np.zeros((rows, num_tasks), dtype=np.float32)
+        seen = np.zeros(rows, dtype=bool)
+        for positions, part in self.head:
+            scores[positions] = part
+            seen[positions] = True
+        if not seen.all():
+            raise RuntimeError(
+                f"evaluate scored {int(seen.sum())} of the split's first {rows} rows; the "
+                "workers' row ranges do not cover the split"
+            )
+        return scores
+
+
+def _score_in_workers(plan: _ScoringPlan, num_files: int) -> list[_Accumulators]:
+    """Score the split in min(workers, files) spawned processes; parts in rank order.
+
+    Spawned, not forked: a forked child would inherit torch's thread pools and locks.
+    """
+    workers = min(plan.config.workers, num_files)
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    context = multiprocessing.get_context("spawn")
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            futures = [
+                pool.submit(_score_worker, plan, rank, workers, threads) for rank in range(workers)
+            ]
+            return [future.result() for future in futures]
+    except BrokenProcessPool as error:
+        raise TransientError(
+            f"an evaluate worker process died while scoring split {plan.config.split!r} of "
+            f"{plan.shards_dir} (killed, or out of memory); lower evaluate.workers or "
+            "evaluate.batch_size"
+        ) from error
+
+
+def _score_worker(plan: _ScoringPlan, rank: int, world_size: int, threads: int) -> _Accumulators:
+    """A worker process: load the model and score rank `rank`'s files of the split."""
+    torch.set_num_threads(threads)
+    model, _ = load_model(plan.train_dir)
+    meta = load_dataset_meta(plan.shards_dir)
+    return _score_files(plan, model, meta, rank, world_size)
+
+
+def _score_files(
+    plan: _ScoringPlan, model: CTRModel, meta: DatasetMeta, rank: int, world_size: int
+) -> _Accumulators:
+    """Stream every `world_size`-th file of the split, from file `rank`, through the model.
+
+    Batches never cross a file: each file is read alone (`iter_tables` over a split of
+    that one file), so a row is scored in the same batch whichever worker reads its
+    file, and gets the same float32 score (a GEMM's result for a row depends on the
+    batch around it).
+
+    Returns:
+        The part's accumulators.
+
+    Raises:
+        ValueError: The model predicts NaN.
+        SchemaError: The oracle column holds values outside [0, 1].
+    """
+    config = plan.config
+    part = _Accumulators(plan, oracle=meta.oracle is not None)
+    split = meta.split(config.split)
+    starts = np.cumsum([0, *(entry.rows for entry in split.files)])  # split row of each file
+    for index in range(rank, len(split.files), world_size):
+        entry = split.files[index]
+        one_file = meta.model_copy(
+            update={"splits": {config.split: SplitMeta(files=[entry], rows=entry.rows)}}
+        )
+        tables = iter_tables(
+            plan.shards_dir, one_file, config.split, 0, 1, config.batch_size, plan.columns, False
+        )
+        position = int(starts[index])  # split row of the next table's first row
+        for table in tables:
+            probabilities = _score_table(plan, model, meta, table, part)  # (B, T)
+            head = min(plan.head_rows, position + len(probabilities)) - position
+            if head > 0:
+                part.head.append((np.arange(position, position + head), probabilities[:head]))
+            position += len(probabilities)
+    return part
+
+
+def _score_table(
+    plan: _ScoringPlan, model: CTRModel, meta: DatasetMeta, table: pa.Table, part: _Accumulators
+) -> np.ndarray:
+    """Score one table of shard rows into `part`; returns its (B, T) float64 probabilities."""
+    batch = to_batch(table, meta, plan.tasks)
+    with torch.no_grad():
+        logits = model(batch.sparse, batch.dense, *batch.multi_hot)  # (B, T)
+    probabilities = torch.sigmoid(logits.double()).numpy()  # (B, T)
+    labels = batch.labels.numpy()  # (B, T)
+    if np.isnan(probabilities).any():
+        raise ValueError(f"the model in {plan.train_dir} predicts NaN; its training diverged")
+    for t in range(len(plan.tasks)):
+        part.aucs[t].update(labels[:, t], probabilities[:, t])
+        part.stats[t].update(labels[:, t], probabilities[:, t])
+    # The first task is the primary one: the rest of the metrics are about it.
+    y, p = labels[:, 0], probabilities[:, 0]  # (B,)
+    part.reliability.update(y, p)
+    if part.oracle_auc is not None:
+        _update_oracle(part.oracle_auc, y, table, meta.oracle, plan.shards_dir)
+    if part.gauc is not None:
+        users, known = _user_groups(table.column(plan.user_key), plan.skip_oov_user)
+        part.gauc.update(users[known], y[known], p[known])
+    for feature, metrics in part.slices.items():
+        metrics.update(table.column(feature).to_numpy(), y, p)
+    return probabilities
 
 
 def _check_slice_by(config: EvaluateConfig, meta: DatasetMeta, shards_dir: Path) -> None:

@@ -3,8 +3,9 @@
 Reads `<train_dir>/model_config.json`, `<train_dir>/model.safetensors` (and, for the
 model card, `train_config.json` and `train_summary.json` when present), the fitted
 transform file, `dataset.json` and the first test rows of the shards, optionally the
-evaluation's metrics.json and the ingest output's `events/` (raw test records for infra
-validation). Writes into `out_dir`:
+evaluation's metrics.json, the evaluate stage's output (its `scores_head.npy` is the
+reference of infra validation) and the ingest output's `events/` (raw test records for
+infra validation). Writes into `out_dir`:
 
 - `model.safetensors`, `model_config.json`: the weights and how to rebuild the module;
 - `model.onnx`: inputs `sparse` int64 (B, F), `dense` float32 (B, Dn) and, per
@@ -19,15 +20,20 @@ validation). Writes into `out_dir`:
 - `score.py`: scores raw records (transform.json + model.onnx) with numpy and
   onnxruntime only (`training/package_scorer.py`);
 - `infra_validation.json` (when events are given): `score.py` run in a fresh interpreter
-  on the raw events of the first `infra_validation_rows` test rows plus
-  `infra_validation_unseen` records with never-seen ids and strings: its scores match
-  the trained model's, and its latency (see `training.package.infra_validate`);
+  on the raw events of the first `infra_validation_rows` rows of the evaluated split
+  (test without an evaluate output) plus `infra_validation_unseen` records with
+  never-seen ids and strings: its scores match the trained model's (`max_abs_diff`, all
+  records) and, with an evaluate output, the evaluate stage's scores of the same rows
+  (`max_abs_diff_vs_evaluate`, `evaluate_rows`, `evaluate_split`), and its latency (see
+  `training.package.infra_validate`);
 - `model_card.md`.
 
 Parity: the torch model, onnxruntime and TorchScript score the parity sample; a
 difference above `parity_atol` raises ParityError (the files written so far stay in
 `out_dir`, which the caller treats as a failed staging directory). Infra validation
-raises ParityError the same way.
+raises ParityError the same way, also when the package's scores of the raw records
+differ from evaluate's `scores_head.npy` by more than `parity_atol`: scoring raw records
+through the package gives the scores the evaluate stage reported metrics of.
 """
 
 from __future__ import annotations
@@ -45,10 +51,11 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from data_prep.errors import InputNotFoundError, ParityError, SchemaError
+from data_prep.errors import ConfigError, InputNotFoundError, ParityError, SchemaError
 from data_prep.transform import TransformApplier, load_transform
 from training.config import ExportConfig
 from training.data import DatasetMeta, iter_tables, load_dataset_meta, model_columns, to_batch
+from training.evaluate import METRICS_FILE, SCORES_HEAD_FILE
 from training.model import MODEL_CONFIG_FILE, WEIGHTS_FILE, CTRModel, load_model
 from training.package import (
     INFRA_VALIDATION_FILE,
@@ -122,12 +129,15 @@ def export_model(
     metrics_path: Path | None,
     out_dir: Path,
     events_dir: Path | None = None,
+    evaluate_dir: Path | None = None,
 ) -> ExportResult:
     """Write the model package and check that ONNX and TorchScript match torch.
 
     With `events_dir`, also infra-validate the package: its own `score.py`, in a fresh
     interpreter, scores the raw events of the first test rows and records with unseen
-    ids like the trained model does.
+    ids like the trained model does. With `evaluate_dir` too, the rows are the first of
+    the split evaluate scored, and their package scores must match evaluate's own
+    (`scores_head.npy`).
 
     Args:
         config: The export config.
@@ -138,18 +148,22 @@ def export_model(
         out_dir: The package directory; created if missing.
         events_dir: Ingest's `events` directory (the clean events the shards were made
             from), or None to skip infra validation.
+        evaluate_dir: The evaluate stage's output (metrics.json, scores_head.npy), the
+            reference of infra validation; None compares with the trained model only.
 
     Returns:
         The package and its parity (and infra validation) figures.
 
     Raises:
-        InputNotFoundError: A model file, the transform, the metrics or dataset.json
-            is missing.
+        InputNotFoundError: A model file, the transform, the metrics, dataset.json or
+            (with events_dir) evaluate's scores_head.npy or metrics.json is missing.
+        ConfigError: evaluate saved fewer rows than infra validation needs.
         SchemaError: The test split has no rows, or the transform is not a fitted one
             (with events_dir).
         DataError: The events do not hold the shards' test rows.
         ParityError: ONNX or TorchScript scores differ from torch by more than
-            parity_atol, or infra validation fails.
+            parity_atol, or infra validation fails (also: the package's scores of raw
+            records differ from the evaluate stage's).
     """
     train_dir, out_dir = Path(train_dir), Path(out_dir)
     for path in (transform_path, metrics_path):
@@ -212,10 +226,17 @@ def export_model(
     write_scorer(out_dir)
     infra = None
     if events_dir is not None:
+        reference = _evaluate_reference(evaluate_dir) if evaluate_dir is not None else None
         records, expected, test_rows = _validation_records(
-            config, scorer, meta, transform_path, shards_dir, events_dir
+            config,
+            scorer,
+            meta,
+            transform_path,
+            shards_dir,
+            events_dir,
+            reference[0] if reference is not None else PARITY_SPLIT,
         )
-        infra = _run_infra_validation(config, out_dir, records, expected, test_rows)
+        infra = _run_infra_validation(config, out_dir, records, expected, test_rows, reference)
     metrics = json.loads(Path(metrics_path).read_text()) if metrics_path is not None else None
     card = _model_card(
         config, meta, model_config, train_dir, metrics, len(scores), diff_onnx, diff_ts, infra
@@ -238,16 +259,17 @@ def _validation_records(
     transform_path: Path,
     shards_dir: Path,
     events_dir: Path,
+    split: str,
 ) -> tuple[list[dict], np.ndarray, int]:
     """Raw records for infra validation and the trained model's scores of them.
 
     Returns:
-        (records: the first test rows' raw events, then the unseen-id records;
-        the torch model's scores of data_prep's transform of them; test records).
+        (records: the raw events of the split's first rows, then the unseen-id records;
+        the torch model's scores of data_prep's transform of them; split records).
     """
     transform = load_transform(transform_path)
     test_records, _ = raw_test_records(
-        events_dir, shards_dir, meta, transform, config.infra_validation_rows
+        events_dir, shards_dir, meta, transform, config.infra_validation_rows, split
     )
     records = with_unseen_records(test_records, transform, config.infra_validation_unseen)
     # Typed as ingest wrote the events; nullable, since unseen records miss dense values.
@@ -266,8 +288,25 @@ def _run_infra_validation(
     records: list[dict],
     expected: np.ndarray,
     test_records: int,
+    reference: tuple[str, np.ndarray, Path] | None,
 ) -> dict[str, Any]:
-    """Run infra validation, write infra_validation.json; the report without scores."""
+    """Run infra validation, write infra_validation.json; the report without scores.
+
+    `reference` is evaluate's (split, scores_head, path) or None (see
+    `_evaluate_reference`): the package's scores of the first `test_records` records
+    must match its first rows within parity_atol.
+
+    Raises:
+        ConfigError: The reference holds fewer rows than the records.
+        ParityError: See `infra_validate`; or the scores differ from the reference.
+    """
+    if reference is not None and len(reference[1]) < test_records:
+        raise ConfigError(
+            f"{reference[2]} holds evaluate's scores of {len(reference[1])} rows, but infra "
+            f"validation scores {test_records} (export.infra_validation_rows="
+            f"{config.infra_validation_rows}); raise evaluate.score_sample_rows to at least "
+            "that, or lower export.infra_validation_rows"
+        )
     report = infra_validate(
         out_dir,
         records,
@@ -275,16 +314,53 @@ def _run_infra_validation(
         atol=config.parity_atol,
         repetitions=config.infra_validation_repetitions,
     )
+    versus: dict[str, Any] = {}
+    if reference is not None:
+        split, head, path = reference
+        diff = _max_abs_diff(head[:test_records], np.asarray(report["scores"][:test_records]))
+        if not diff <= config.parity_atol:
+            raise ParityError(
+                f"infra validation of {out_dir}: the package's scores of the raw events of the "
+                f"first {test_records} {split} rows differ from the evaluate stage's scores of "
+                f"the same rows ({path}): max |diff| {diff:.3g} > parity_atol "
+                f"{config.parity_atol:g}; the evaluate output was made with another model or "
+                "shards than this export (run evaluate again), or the package does not "
+                "reproduce it"
+            )
+        versus = {
+            "max_abs_diff_vs_evaluate": diff,
+            "evaluate_rows": test_records,
+            "evaluate_split": split,
+        }
     # infra_validate raises on any failure, so a written report is a passed one.
     report = {
         "ok": True,
         **report,
+        **versus,
         "test_records": test_records,
         "unseen_records": len(records) - test_records,
         "atol": config.parity_atol,
     }
     (out_dir / INFRA_VALIDATION_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return {key: value for key, value in report.items() if key != "scores"}
+
+
+def _evaluate_reference(evaluate_dir: Path) -> tuple[str, np.ndarray, Path]:
+    """Evaluate's split and its (N,) or (N, T) float32 scores of the split's first rows.
+
+    Raises:
+        InputNotFoundError: metrics.json or scores_head.npy is missing.
+    """
+    metrics_path = Path(evaluate_dir) / METRICS_FILE
+    head_path = Path(evaluate_dir) / SCORES_HEAD_FILE
+    for path in (metrics_path, head_path):
+        if not path.is_file():
+            raise InputNotFoundError(
+                f"{path} does not exist; infra validation compares the package with the "
+                "evaluate stage's scores: run evaluate (again) before export"
+            )
+    split = json.loads(metrics_path.read_text())["split"]
+    return split, np.load(head_path), head_path
 
 
 def _input_names(meta: DatasetMeta) -> list[str]:
@@ -468,12 +544,21 @@ def _model_card(
         lines += [
             f"Infra validation (`{INFRA_VALIDATION_FILE}`): `{SCORER_FILE}` in a fresh "
             f"interpreter (python -I, cwd = the package; imported no recforge module) scored "
-            f"{infra['rows']} raw records ({infra['test_records']} {PARITY_SPLIT} rows, "
+            f"{infra['rows']} raw records ({infra['test_records']} "
+            f"{infra.get('evaluate_split', PARITY_SPLIT)} rows, "
             f"{infra['unseen_records']} with unseen ids) like the trained model:",
             "",
             "| figure | value |",
             "|---|---|",
             f"| max abs diff vs the trained model | {infra['max_abs_diff']:.3g} |",
+            *(
+                [
+                    f"| max abs diff vs the evaluate stage ({infra['evaluate_rows']} "
+                    f"{infra['evaluate_split']} rows) | {infra['max_abs_diff_vs_evaluate']:.3g} |"
+                ]
+                if "max_abs_diff_vs_evaluate" in infra
+                else []
+            ),
             f"| p50 / p99 latency, one record per call | {infra['p50_ms']:.3f} / "
             f"{infra['p99_ms']:.3f} ms |",
             f"| p50 / p99 latency, {infra['rows']} records per call | "

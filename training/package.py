@@ -71,16 +71,23 @@ def write_scorer(package_dir: Path) -> Path:
 
 
 def raw_test_records(
-    events_dir: Path, shards_dir: Path, meta: DatasetMeta, transform: dict, rows: int
+    events_dir: Path,
+    shards_dir: Path,
+    meta: DatasetMeta,
+    transform: dict,
+    rows: int,
+    split: str = "test",
 ) -> tuple[list[dict], pa.Table]:
     """The raw events of the first `rows` test rows of the shards, in test order.
 
-    The test shards keep preprocess's input order (event files in name order, then row
-    order), so the first test rows are a subsequence of the events in input order. The
-    events whose timestamp is one of those rows' are transformed with the fitted
-    transform and matched in order against the shard rows (every model column, the
-    labels and the timestamp equal): the first match is taken. So each record returned
-    transforms exactly into its shard row, whatever the split method.
+    The test (and valid) shards keep preprocess's input order (event files in name
+    order, then row order), so the first test rows are a subsequence of the events in
+    input order. The events whose timestamp is one of those rows' are transformed with
+    the fitted transform and matched in order against the shard rows (every model
+    column, the labels and the timestamp equal): the first match is taken. So each
+    record returned transforms exactly into its shard row, whatever the split method.
+    The rows are those `iter_tables(shards_dir, meta, split, 0, 1, ...)` yields first,
+    the rows whose scores the evaluate stage saves (`scores_head.npy`).
 
     Args:
         events_dir: Ingest's `events` directory (clean typed events).
@@ -88,6 +95,7 @@ def raw_test_records(
         meta: Its dataset description.
         transform: The fitted transform the shards were made with.
         rows: How many test rows (fewer when the split is shorter).
+        split: The split to take them from: "test", or the split evaluate scored.
 
     Returns:
         (records as dicts of raw field values, the matching shard rows).
@@ -98,11 +106,11 @@ def raw_test_records(
     """
     ts_name = transform["timestamp"]
     columns = model_columns(meta, list(meta.labels))
-    tables = iter_tables(shards_dir, meta, "test", 0, 1, rows, [*columns, ts_name], False)
+    tables = iter_tables(shards_dir, meta, split, 0, 1, rows, [*columns, ts_name], False)
     shard_rows = next(iter(tables), None)
     files = sorted(Path(events_dir).glob("*.parquet"))
     if shard_rows is None or not files:
-        raise DataError(f"no test rows in {shards_dir} or no event files in {events_dir}")
+        raise DataError(f"no {split} rows in {shards_dir} or no event files in {events_dir}")
     wanted = shard_rows.to_pylist()
     keys = [tuple(row[c] for c in [*columns, ts_name]) for row in wanted]
     timestamps = pa.array(sorted({row[ts_name] for row in wanted}), pa.int64())
@@ -123,7 +131,7 @@ def raw_test_records(
                         if len(records) == len(keys):
                             return records, shard_rows
     raise DataError(
-        f"only {len(records)} of the first {len(keys)} test rows of {shards_dir} were found "
+        f"only {len(records)} of the first {len(keys)} {split} rows of {shards_dir} were found "
         f"among the events of {events_dir}; pass the ingest output these shards were made from"
     )
 

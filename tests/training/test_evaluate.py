@@ -249,3 +249,75 @@ def test_an_empty_split_is_a_schema_error(
     train_dir = make_train_dir(shards_dir)
     with pytest.raises(SchemaError, match="no rows"):
         evaluate_model(EvaluateConfig(), train_dir, shards_dir, tmp_path / "e")
+
+
+def test_scores_head_holds_the_first_rows_scores_in_split_order(
+    shards_dir: Path, random_train_dir: Path, tmp_path: Path
+) -> None:
+    # 300 rows in batches of 100 over two 256-row files: the head crosses a file.
+    config = EvaluateConfig(batch_size=100, score_sample_rows=300)
+    result = evaluate_model(config, random_train_dir, shards_dir, tmp_path)
+    _, probabilities, _ = reference_scores(random_train_dir, shards_dir, "test")
+    head = np.load(result.scores_head_path)
+    assert result.scores_head_path == tmp_path / "scores_head.npy"
+    assert head.dtype == np.float32 and head.shape == (300,)
+    # A GEMM's last bit depends on the batch around a row: the reference is one batch.
+    np.testing.assert_allclose(head, probabilities[:300], rtol=0, atol=1e-7)
+    # Longer than the split: every row.
+    config = EvaluateConfig(score_sample_rows=10_000)
+    longer = evaluate_model(config, random_train_dir, shards_dir, tmp_path)
+    assert np.load(longer.scores_head_path).shape == (512,)
+
+
+def _assert_same_metrics(one: dict, many: dict) -> float:
+    """Counts, AUCs and strings equal; float sums within 1e-9. Returns the largest diff."""
+    assert one.keys() == many.keys()
+    worst = 0.0
+    for key, value in one.items():
+        if isinstance(value, float) and "auc" not in key:
+            assert many[key] == pytest.approx(value, rel=0, abs=1e-9), key
+            worst = max(worst, abs(many[key] - value))
+        else:
+            assert many[key] == value, key  # exact and bucketed AUCs, GAUC, counts
+    return worst
+
+
+@pytest.mark.parametrize(
+    ("test_files", "workers", "settings"),
+    [
+        (2, 2, {"batch_size": 100}),  # one file per worker; a batch of 100 crosses no file
+        (5, 3, {"batch_size": 50, "auc_mode": "bucketed", "auc_buckets": 64}),  # 2, 2, 1 files
+        (2, 4, {"batch_size": 64}),  # more workers than files: two of them run
+    ],
+)
+def test_workers_give_the_metrics_of_one_process(
+    make_shards: Callable[..., Path],
+    make_train_dir: Callable[..., Path],
+    tmp_path: Path,
+    test_files: int,
+    workers: int,
+    settings: dict,
+) -> None:
+    shards_dir = make_shards(split_files={"train": 1, "valid": 1, "test": test_files})
+    train_dir = make_train_dir(shards_dir)
+    base = {**settings, "slice_by": ["city"], "user_key": "user_id", "score_sample_rows": 400}
+    one = evaluate_model(EvaluateConfig(**base), train_dir, shards_dir, tmp_path / "one")
+    many = evaluate_model(
+        EvaluateConfig(**base, workers=workers), train_dir, shards_dir, tmp_path / "many"
+    )
+    metrics_one = json.loads(one.metrics_path.read_text())
+    metrics_many = json.loads(many.metrics_path.read_text())
+    assert metrics_many["num_rows"] == 256 * test_files and metrics_many["gauc_users"] > 10
+    assert metrics_many["auc_mode"] == ("bucketed" if "auc_mode" in settings else "exact")
+    assert any(key.startswith("slice/city=") for key in metrics_many)
+    worst = _assert_same_metrics(metrics_one, metrics_many)
+    print(f"workers={workers}: largest float diff {worst:.3g}")
+    bins_one = json.loads(one.calibration_path.read_text())["bins"]
+    bins_many = json.loads(many.calibration_path.read_text())["bins"]
+    assert [b["count"] for b in bins_one] == [b["count"] for b in bins_many]
+    np.testing.assert_array_equal(np.load(one.scores_head_path), np.load(many.scores_head_path))
+
+
+def test_workers_must_be_positive() -> None:
+    with pytest.raises(ValidationError, match="workers"):
+        EvaluateConfig(workers=0)

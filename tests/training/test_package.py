@@ -2,7 +2,8 @@
 
 One module-scoped fixture runs the real data stages (synthetic logs -> ingest ->
 preprocess -> shard) on a few thousand rows, builds a randomly initialised model for the
-shards and exports it with the ingest output, so the raw records are real clean events.
+shards, evaluates it and exports it with the ingest and evaluate outputs, so the raw
+records are real clean events and evaluate's scores are the reference.
 """
 
 import importlib.util
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from data_prep.errors import DataError, ParityError
+from data_prep.errors import ConfigError, DataError, InputNotFoundError, ParityError
 from data_prep.ingest import IngestConfig, ingest_logs
 from data_prep.preprocess import PreprocessConfig, preprocess_events
 from data_prep.schema import FieldSpec, SchemaConfig
@@ -33,8 +34,9 @@ from data_prep.transform import (
     load_transform,
     merge_stats,
 )
-from training.config import ExportConfig
+from training.config import EvaluateConfig, ExportConfig
 from training.data import iter_tables, load_dataset_meta, model_columns, pad_multi_hot, to_batch
+from training.evaluate import evaluate_model
 from training.export import ScoringModule, export_model
 from training.model import load_model
 from training.package import (
@@ -120,6 +122,14 @@ def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     write_shards(ShardConfig(num_train_shards=2, num_eval_shards=2), root / "pre", root / "shards")
     train_dir = _random_train_dir(root / "train", root / "shards")
+    # Batches of 50 and two workers: evaluate's row order and batching differ from export's.
+    evaluate_model(
+        EvaluateConfig(batch_size=50, workers=2),
+        train_dir,
+        root / "shards",
+        root / "evaluate",
+        root / "pre" / "transform.json",
+    )
     config = ExportConfig(
         parity_rows=200,
         infra_validation_rows=TEST_ROWS,
@@ -134,12 +144,15 @@ def stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         None,
         root / "out",
         events_dir=root / "ingest" / "events",
+        evaluate_dir=root / "evaluate",
     )
     return {
         "events": root / "ingest" / "events",
         "transform": root / "pre" / "transform.json",
         "shards": root / "shards",
         "train": train_dir,
+        "evaluate": root / "evaluate",
+        "config": config,  # type: ignore[dict-item]
         "package": result.out_dir,
         "result": result,  # type: ignore[dict-item]
     }
@@ -406,3 +419,57 @@ def test_record_transform_is_data_preps_mapping() -> None:
         mapping([{"uid": "abc"}])
     with pytest.raises(ValueError, match="'tags'"):
         mapping([{"tags": "a|b"}])
+
+
+def test_raw_records_through_the_package_score_like_the_evaluate_stage(stages: dict) -> None:
+    """The acceptance check: the evaluate stage's scores are the reference."""
+    evaluated = np.load(stages["evaluate"] / "scores_head.npy")  # (256,) first test rows
+    assert evaluated.shape == (256,) and evaluated.dtype == np.float32
+    meta = load_dataset_meta(stages["shards"])
+    transform = load_transform(stages["transform"])
+    records, _ = raw_test_records(stages["events"], stages["shards"], meta, transform, 256)
+    assert len(records) == 256 and all("click" in record for record in records)
+    score = _load_scorer(stages["package"])
+    actual = score.PackageScorer(stages["package"]).score(records)  # (256,)
+    diff = float(np.max(np.abs(actual.astype(np.float64) - evaluated)))
+    print(f"package vs evaluate on 256 raw records: max abs diff {diff:.3g}")
+    assert diff <= 1e-5
+    # Export checked the same, and recorded it.
+    report = json.loads((stages["package"] / "infra_validation.json").read_text())
+    assert report["max_abs_diff_vs_evaluate"] <= 1e-5
+    assert report["evaluate_rows"] == TEST_ROWS and report["evaluate_split"] == "test"
+    np.testing.assert_allclose(report["scores"][:TEST_ROWS], evaluated[:TEST_ROWS], atol=1e-5)
+    assert (
+        stages["result"].infra_validation["max_abs_diff_vs_evaluate"]
+        == (report["max_abs_diff_vs_evaluate"])
+    )
+    assert "vs the evaluate stage" in (stages["package"] / "model_card.md").read_text()
+
+
+def test_a_mismatched_evaluate_reference_fails_export(stages: dict, tmp_path: Path) -> None:
+    tampered = shutil.copytree(stages["evaluate"], tmp_path / "evaluate")
+    head = np.load(tampered / "scores_head.npy")
+    head[7] += 1e-3  # one row, above the 1e-5 tolerance
+    np.save(tampered / "scores_head.npy", head)
+
+    def export(evaluate_dir: Path, out: str, **overrides: object) -> None:
+        export_model(
+            stages["config"].model_copy(update=overrides),
+            stages["train"],
+            stages["transform"],
+            stages["shards"],
+            None,
+            tmp_path / out,
+            events_dir=stages["events"],
+            evaluate_dir=evaluate_dir,
+        )
+
+    with pytest.raises(ParityError, match=r"differ from the evaluate stage's.*max \|diff\| 0\.001"):
+        export(tampered, "bad")
+    assert not (tmp_path / "bad" / "infra_validation.json").exists()
+    # Evaluate saved fewer rows than infra validation scores: the fields are named.
+    with pytest.raises(ConfigError, match="evaluate.score_sample_rows.*infra_validation_rows"):
+        export(stages["evaluate"], "short", infra_validation_rows=300)
+    (tampered / "scores_head.npy").unlink()
+    with pytest.raises(InputNotFoundError, match="run evaluate"):
+        export(tampered, "missing")
