@@ -13,8 +13,9 @@ rows (row g lives on rank g % W), the largest ZeRO partition, and the consolidat
   replicated F x D table of per-feature default rows (the rows of ids not admitted
   yet); both are trained by the sparse optimizer, whose state per row is 1 fp32
   (rowwise_adagrad) or 2 * D fp32 (lazy_adam: m and v). Frequency admission
-  (admission_min_count >= 2) keeps an int32 counter per local row. At the end rank 0
-  consolidates the whole table, N x D fp32 more.
+  (admission_min_count >= 2) keeps an int32 counter per local row. At the end every
+  rank streams its share of the table into model.safetensors (`training.consolidate`):
+  one chunk read and one written, 2 x min(N x D fp32, CHUNK_BYTES) more, not the table.
 - "dense" embeddings: the tables are ordinary parameters of the DeepSpeed module;
   N * D is added to P and they are counted as dense parameters.
 - Dense side, AdamW under DeepSpeed, per parameter: fp32 = params 4 B + grads 4 B +
@@ -23,8 +24,9 @@ rows (row g lives on rank g % W), the largest ZeRO partition, and the consolidat
   the grads, stage 3 also the params (the ZeRO paper's accounting). offload_optimizer
   moves the optimizer state and masters to CPU memory (`MemoryPlan.host_offload`): they
   leave an accelerator's budget, but on the CPU accelerator they still use the same
-  host memory. With ZeRO >= 1, rank 0 also assembles one fp32 copy of the P dense
-  weights when it writes model.safetensors (the partitions are memory-mapped).
+  host memory. With ZeRO 1-2, rank 0 also assembles one fp32 copy of the P dense
+  weights when it writes model.safetensors (the partitions are memory-mapped); ZeRO 3
+  streams each parameter from the partitions in chunks, min(P fp32, CHUNK_BYTES) more.
 - Activations: forward tensors per sample times ACTIVATION_SAFETY_FACTOR, plus, for
   sharded embeddings, the unique rows gathered per step and their gradients.
 - Reader: the prefetched batches and the batch in use. Runtime: RUNTIME_BYTES.
@@ -60,6 +62,10 @@ ACTIVATION_SAFETY_FACTOR = 3
 # Sharded embeddings per step: the gathered unique rows, their gradients, and the
 # all-to-all buffers of the rows (and gradients) this rank serves to the others.
 GATHER_COPIES = 4
+
+# Bytes of table rows (or of a ZeRO-3 parameter) one rank reads and writes at a time
+# when it streams its share of model.safetensors (`training.consolidate`).
+CHUNK_BYTES = 64 * MiB
 
 # The world_size suggestion looks no further than this many ranks.
 MAX_SUGGESTED_WORLD_SIZE = 4096
@@ -202,7 +208,7 @@ def plan_memory(
         per_rank["sparse_optimizer"] = held_rows * state_per_row * FP32_BYTES
         if config.admission_min_count >= 2:
             per_rank["admission"] = local_rows * INT32_BYTES
-        per_rank["consolidation"] = rows * dim * FP32_BYTES
+        per_rank["consolidation"] = 2 * min(rows * dim * FP32_BYTES, CHUNK_BYTES)
         dense_params = num_dense_params
     else:
         dense_params = num_dense_params + rows * dim
@@ -216,8 +222,10 @@ def plan_memory(
     host_offload = optimizer if config.offload_optimizer else 0
     on_device = not (config.offload_optimizer and accelerator != "cpu")
     per_rank["dense_optimizer"] = optimizer if on_device else 0
-    if stage >= 1:
+    if stage in (1, 2):
         per_rank["consolidation"] += dense_params * FP32_BYTES
+    elif stage == 3:
+        per_rank["consolidation"] += min(dense_params * FP32_BYTES, CHUNK_BYTES)
 
     per_rank["activations"] = _activation_bytes(config, features, num_dense_features)
     if sharded:

@@ -7,7 +7,8 @@ Writes, into the spec's `out_dir`:
 - `checkpoints/final/`: the DeepSpeed checkpoint of the dense part (every rank writes
   its part) and, with sharded embeddings, `sparse-rank-RRRRR-of-WWWWW.safetensors`
   per rank (its rows, their optimizer state and admission counts);
-- `model.safetensors`: consolidated fp32 weights of the whole `CTRModel` (rank 0);
+- `model.safetensors`: consolidated fp32 weights of the whole `CTRModel`, streamed
+  by every rank into one file (`training.consolidate`), never gathered on one rank;
 - `train_log.jsonl`: one progress record per logging step (rank 0), also printed as
   `RECFORGE_PROGRESS {...}` lines for the parent to stream;
 - `tensorboard/`: TensorBoard event files (rank 0) when `train.tensorboard` is on;
@@ -61,12 +62,24 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from data_prep.errors import ConfigError, Preempted
 from training.checkpoint import FAULT_POINTS, MANIFEST, CheckpointStore, fsync_tree
 from training.config import TrainConfig
+from training.consolidate import (
+    CHUNK_BYTES,
+    FP32_BYTES,
+    TABLE_NAME,
+    chunk_rows_for,
+    create_file,
+    finish_file,
+    partial_path,
+    plan_layout,
+    table_chunks,
+    write_dense,
+    write_pieces,
+)
 from training.data import Batch, load_dataset_meta
 from training.embedding import ShardedEmbedding, init_rows, reshard_state, table_offsets
 from training.model import WEIGHTS_FILE, build_arch, build_model
@@ -649,20 +662,16 @@ def run(spec: dict[str, Any]) -> None:
             str(checkpoint_dir / CHECKPOINT_TAG / sparse_file(rank, world_size)),
         )
     dist.barrier()  # every rank's checkpoint part is on disk
+    _write_weights(
+        engine,
+        checkpoint_dir / CHECKPOINT_TAG,
+        out_dir / WEIGHTS_FILE,
+        config,
+        table_sizes if store is not None else None,
+        rank,
+        world_size,
+    )
     if rank == 0:
-        state = _fp32_state_dict(engine, checkpoint_dir, config.zero_stage)
-        if store is not None:
-            state = _consolidate(
-                state,
-                checkpoint_dir / CHECKPOINT_TAG,
-                table_sizes,
-                world_size,
-                config.admission_min_count,
-            )
-        save_file(
-            {name: tensor.float().contiguous() for name, tensor in state.items()},
-            str(out_dir / WEIGHTS_FILE),
-        )
         samples = micro_done * samples_per_micro
         summary = {
             "final_loss": final_loss,
@@ -713,54 +722,79 @@ def _write_scalars(writer: Any, record: dict[str, Any]) -> None:
     writer.flush()
 
 
-def _consolidate(
-    arch_state: dict[str, torch.Tensor],
+def _write_weights(
+    engine: deepspeed.DeepSpeedEngine,
     tag_dir: Path,
-    table_sizes: list[int],
+    path: Path,
+    config: TrainConfig,
+    table_sizes: list[int] | None,
+    rank: int,
     world_size: int,
-    admission_min_count: int,
-) -> dict[str, torch.Tensor]:
-    """The `CTRModel` state: the shards' rows interleaved into one table, plus the arch.
+) -> None:
+    """Every rank: consolidate the checkpoint into `path` (fp32 `CTRModel` weights).
 
-    Rows not admitted by frequency admission are replaced by their feature's default
-    row, which is what training fed the model for them.
+    Streams (`training.consolidate`): rank 0 plans the file and writes the dense
+    tensors one at a time; with sharded embeddings (`table_sizes` given) every rank
+    writes every W-th chunk of the table, read as row slices of the shard files, so no
+    rank holds the table. Rows never admitted by frequency admission take their
+    feature's default row, which is what training fed the model for them.
     """
-    # One shard in memory at a time: the peak is the table plus one rank's rows.
-    num_rows = sum(table_sizes)
-    table: torch.Tensor | None = None
-    rejected = torch.zeros(num_rows, dtype=torch.bool)
-    for rank in range(world_size):
-        with safe_open(str(tag_dir / sparse_file(rank, world_size)), framework="pt") as shard:
-            rows = shard.get_tensor("weight")  # (ceil((N - rank) / W), D)
-            if table is None:
-                table = torch.empty((num_rows, rows.shape[1]), dtype=torch.float32)
-            table[rank::world_size] = rows
-            del rows
-            if admission_min_count >= 2:
-                rejected[rank::world_size] = shard.get_tensor("counts") < admission_min_count
-    assert table is not None  # world_size >= 1
-    if admission_min_count >= 2:
-        offsets = table_offsets(table_sizes)
-        feature = torch.searchsorted(offsets[1:], torch.nonzero(rejected)[:, 0], right=True)
-        table[rejected] = arch_state["default_rows"].float()[feature]
-    state = {"embedding.weight": table}
-    state.update({f"arch.{name}": tensor for name, tensor in arch_state.items()})
-    return state
+    dense: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    default_rows: torch.Tensor | None = None
+    if rank == 0:
+        state = _fp32_state_dict(engine, tag_dir.parent, config.zero_stage)
+        if table_sizes is not None:
+            state = {f"arch.{name}": tensor for name, tensor in state.items()}
+            shapes[TABLE_NAME] = (sum(table_sizes), config.embedding_dim)
+            rows = state["arch.default_rows"]  # (F, D), small
+            default_rows = (rows if isinstance(rows, torch.Tensor) else rows.contiguous()).float()
+        dense = state
+        shapes.update({name: tuple(tensor.shape) for name, tensor in dense.items()})
+    shared: list[Any] = [shapes, default_rows]
+    dist.broadcast_object_list(shared, src=0)
+    shapes, default_rows = shared
+    layout = plan_layout(shapes)
+    if rank == 0:
+        create_file(path, layout)
+    dist.barrier()  # the file exists at its full size
+    with open(partial_path(path), "r+b") as file:
+        if table_sizes is not None:
+            shard_files = [tag_dir / sparse_file(r, world_size) for r in range(world_size)]
+            chunks = table_chunks(
+                shard_files,
+                table_sizes,
+                default_rows,
+                config.admission_min_count,
+                rank,
+                world_size,
+                chunk_rows_for(config.embedding_dim),
+            )
+            write_pieces(file, layout, TABLE_NAME, chunks)
+        if rank == 0:
+            write_dense(file, layout, dense, CHUNK_BYTES // FP32_BYTES)
+    dist.barrier()  # every rank's ranges are written
+    if rank == 0:
+        finish_file(path, layout)
 
 
 def _fp32_state_dict(
     engine: deepspeed.DeepSpeedEngine, checkpoint_dir: Path, zero_stage: int
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Any]:
     """The model's fp32 weights: the optimizer's fp32 master copies where there are any.
 
-    ZeRO 1-3 consolidate the ranks' master partitions from the checkpoint. Stage 0
+    ZeRO 1-2 consolidate the ranks' master partitions from the checkpoint; ZeRO 3's are
+    returned lazily (DeepSpeed's `GatheredTensor`, streamed by `training.consolidate`
+    from the memory-mapped partitions without being assembled). Stage 0
     reads the module; with bf16 its weights are bf16, so they are replaced by the fp32
     masters of DeepSpeed's bf16 wrapper (FP16_UnfusedOptimizer: `fp16_groups` holds the
     module's parameters, `fp32_groups` their masters, in the same order). Should a
     DeepSpeed version hold them elsewhere, the bf16 weights are saved upcast.
     """
     if zero_stage > 0:
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=CHECKPOINT_TAG)
+        return get_fp32_state_dict_from_zero_checkpoint(
+            str(checkpoint_dir), tag=CHECKPOINT_TAG, lazy_mode=zero_stage == 3
+        )
     state = {name: tensor.detach().cpu() for name, tensor in engine.module.state_dict().items()}
     low_groups = getattr(engine.optimizer, "fp16_groups", None)
     master_groups = getattr(engine.optimizer, "fp32_groups", None)

@@ -13,6 +13,7 @@ import pytest
 from data_prep.errors import ConfigError
 from training.config import TrainConfig
 from training.memory import (
+    CHUNK_BYTES,
     COMPONENTS,
     RUNTIME_BYTES,
     GiB,
@@ -84,14 +85,14 @@ def test_sharded_rowwise_adagrad_exact_bytes() -> None:
         "dense_optimizer": 100 * 8,
         "activations": ACTIVATIONS + GATHERED,
         "reader": READER,
-        "consolidation": 16 * 4 * 4,  # the whole table on rank 0
+        "consolidation": 2 * 16 * 4 * 4,  # one chunk read, one written: the table is one chunk
         "runtime": RUNTIME_BYTES,
     }
     assert list(plan.per_rank) == list(COMPONENTS)
     assert (
         plan.total
         == sum(plan.per_rank.values())
-        == 128 + 32 + 1600 + 1696 + 128 + 256 + (RUNTIME_BYTES)
+        == 128 + 32 + 1600 + 1696 + 128 + 512 + (RUNTIME_BYTES)
     )
     assert plan.host_offload == 0 and plan.world_size == 3
 
@@ -111,10 +112,10 @@ def test_admission_adds_an_int32_counter_per_local_row(min_count: int, counters:
 @pytest.mark.parametrize(
     ("stage", "params", "grads", "optimizer", "consolidation"),
     [
-        (0, 400, 400, 800, 256),
-        (1, 400, 400, 34 * 8, 256 + 400),  # ceil(100 / 3) = 34 per partition
-        (2, 400, 34 * 4, 34 * 8, 256 + 400),
-        (3, 34 * 4, 34 * 4, 34 * 8, 256 + 400),
+        (0, 400, 400, 800, 512),
+        (1, 400, 400, 34 * 8, 512 + 400),  # ceil(100 / 3) = 34 per partition
+        (2, 400, 34 * 4, 34 * 8, 512 + 400),
+        (3, 34 * 4, 34 * 4, 34 * 8, 512 + 400),  # streamed, but 400 B is one chunk
     ],
 )
 def test_zero_stages_partition_the_dense_state(
@@ -123,8 +124,17 @@ def test_zero_stages_partition_the_dense_state(
     plan = tiny_plan(zero_stage=stage)
     dense = [plan.per_rank[k] for k in ("dense_params", "dense_grads", "dense_optimizer")]
     assert dense == [params, grads, optimizer]
-    # ZeRO >= 1: rank 0 assembles one fp32 copy of the dense weights for model.safetensors.
+    # ZeRO 1-2: rank 0 assembles one fp32 copy of the dense weights for model.safetensors.
     assert plan.per_rank["consolidation"] == consolidation
+
+
+def test_consolidation_streams_the_table_and_zero3_in_chunks() -> None:
+    # 100M rows x 16 fp32 = 6 GiB of table and 1G dense parameters (4 GiB fp32).
+    config = tiny_config(embedding_dim=16, bottom_mlp=[16])
+    stage = {s: config.model_copy(update={"zero_stage": s}) for s in (2, 3)}
+    plans = {s: plan_memory(stage[s], [100_000_000], 3, 1 << 30, 8) for s in (2, 3)}
+    assert plans[3].per_rank["consolidation"] == 3 * CHUNK_BYTES  # table 2 chunks, dense 1
+    assert plans[2].per_rank["consolidation"] == 2 * CHUNK_BYTES + (1 << 30) * 4
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -193,11 +203,11 @@ def big_sharded_case() -> tuple[TrainConfig, MemoryPlan]:
 
 def test_refusal_names_budget_and_suggests_a_world_size_that_fits() -> None:
     config, plan = big_sharded_case()
-    budget = 6 * GiB
+    budget = 4 * GiB
     assert plan.total > budget
-    message = refusal(plan, config, budget, "24.0 GiB machine memory / 3 ranks")
-    assert "24.0 GiB machine memory / 3 ranks" in message
-    assert f"{plan.total / GiB:.2f} GiB" in message and "6.00 GiB" in message
+    message = refusal(plan, config, budget, "12.0 GiB machine memory / 3 ranks")
+    assert "12.0 GiB machine memory / 3 ranks" in message
+    assert f"{plan.total / GiB:.2f} GiB" in message and "4.00 GiB" in message
     assert "sparse_optimizer" in message.splitlines()[1]  # the largest part is named
 
     found = re.search(r"train\.world_size: (\d+)", message)
@@ -210,7 +220,7 @@ def test_refusal_names_budget_and_suggests_a_world_size_that_fits() -> None:
 
 def test_refusal_suggests_an_embedding_dim_that_fits() -> None:
     config, plan = big_sharded_case()
-    budget = 6 * GiB
+    budget = 4 * GiB
     message = refusal(plan, config, budget, "train.memory_per_rank_gb")
     found = re.search(r"train\.embedding_dim: (\d+) and train\.bottom_mlp: (\[[\d, ]+\])", message)
     assert found, message
@@ -290,16 +300,20 @@ def test_shared_machine_suggests_fewer_ranks() -> None:
     check_memory(replan(plan, config, world_size=world), config, machine // world, "test")
 
 
-def test_ten_billion_rows_are_refused() -> None:
+def test_ten_billion_rows_fit_on_more_ranks() -> None:
     config = TrainConfig(embedding_dim=16, world_size=8)
     plan = plan_memory(
         config, [10_000_000_000, 1000], 13, 50_000, 8, feature_names=["item_id", "city"]
     )
-    assert plan.per_rank["consolidation"] >= 10_000_000_000 * 16 * 4
+    # No rank consolidates the 596 GiB table: each streams two chunks of it.
+    assert plan.per_rank["consolidation"] == 2 * CHUNK_BYTES
     message = refusal(plan, config, 64 * GiB, "train.memory_per_rank_gb")
     assert "train.memory_per_rank_gb" in message
-    # Rank 0 consolidates the whole table: no number of ranks can fit it.
-    assert "train.world_size:" not in message
+    found = re.search(r"train\.world_size: (\d+)", message)
+    assert found, message
+    world = int(found.group(1))
+    assert world > 8
+    check_memory(replan(plan, config, world_size=world), config, 64 * GiB, "test")
     cap = re.search(r"hash_buckets: (\d+)", message)
     assert cap and "item_id (10,000,000,000 rows)" in message, message
     capped = [min(size, int(cap.group(1))) for size in plan.table_sizes]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from safetensors.torch import load_file
 
 from data_prep.errors import ConfigError, InputNotFoundError, TrainingCrashed
@@ -185,6 +186,8 @@ ENGINE_CASES = {
     },
     "zero3-bf16-dense": {"zero_stage": 3, "precision": "bf16", "embeddings": "dense"},
     "zero1-offload-sharded": {"zero_stage": 1, "offload_optimizer": True},
+    # ZeRO-3 arch partitions streamed lazily, the table's chunks written by both ranks.
+    "zero3-sharded-admission": {"zero_stage": 3, "admission_min_count": 2},
 }
 
 
@@ -232,12 +235,26 @@ def test_train_with_deepspeed_on_two_cpu_ranks(
     model.load_state_dict(weights)  # strict: every parameter, nothing else
     initial = init_rows(model_config["table_sizes"], 8, seed=config.seed)
     assert not torch.equal(weights["embedding.weight"], initial)  # the table trained
+    prefix = "arch." if config.embeddings == "sharded" else ""
+    if config.zero_stage > 0:
+        # The streamed file holds what DeepSpeed's own consolidation assembles in memory.
+        whole = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="final")
+        assert {prefix + name for name in whole} <= set(weights)
+        for name, tensor in whole.items():
+            assert torch.equal(weights[prefix + name], tensor.float()), name
     if config.embeddings == "sharded":
         shards = sorted((out / "checkpoints" / "final").glob("sparse-rank-*.safetensors"))
         assert [s.name for s in shards] == [
             "sparse-rank-00000-of-00002.safetensors",
             "sparse-rank-00001-of-00002.safetensors",
         ]
+        for rank, shard in enumerate(shards):  # row g of the table is row g // 2 of shard g % 2
+            rows = load_file(shard)
+            counts = rows.get("counts", torch.zeros(len(rows["weight"])))  # admission only
+            admitted = counts >= config.admission_min_count
+            assert torch.equal(
+                weights["embedding.weight"][rank::2][admitted], rows["weight"][admitted]
+            )
     if config.precision == "bf16":
         # The fp32 master weights were saved, not the bf16 working copy.
         arch = [t for name, t in weights.items() if name.startswith("arch.bottom")]

@@ -1,0 +1,345 @@
+"""Streaming consolidation of a trained model's weights into one fp32 safetensors file.
+
+Training leaves the weights in pieces: the row shards of a sharded embedding table
+(`sparse-rank-RRRRR-of-WWWWW.safetensors`, rows g = j * W + r of the table in rank r's
+file, row j) and DeepSpeed's checkpoint of the dense part (ZeRO 1-3: each rank's flat
+fp32 master partitions). Export needs them as one `model.safetensors`. Gathering the
+whole table into one process first would need the whole model's memory on rank 0,
+however many ranks the table was sharded over; this module never does:
+
+- The file's layout (every tensor's name, shape and byte range) is known before any
+  weight is read, so rank 0 writes the header and sizes the file, and then every rank
+  writes its share of the table into its byte range: chunk c of `chunk_rows` rows by
+  rank c % W. A chunk is read from the W shard files as row slices (no shard is loaded
+  whole), interleaved, and rows that frequency admission never admitted are replaced
+  by their feature's default row (what training fed the model for them).
+- Dense tensors are written by rank 0 one at a time. A ZeRO-3 parameter is streamed
+  from the ranks' memory-mapped partitions in chunks (DeepSpeed's lazy `GatheredTensor`)
+  without being assembled; ZeRO 0-2 keep every parameter whole on every rank during
+  training, so assembling them costs no more than training did.
+
+A rank's peak is two chunks (the rows read and the chunk written), not the model. The
+file is written under a temporary name and renamed into place once complete, so a
+crash never leaves a `model.safetensors` that looks whole.
+
+Why by hand: safetensors' Python API writes a file only from tensors held whole in
+memory (`save_file`), and has no ranged or concurrent writer. The format is a
+little-endian u64 header length, a JSON header ({name: {dtype, shape, data_offsets}},
+offsets relative to the end of the header) and the raw bytes; `safetensors.safe_open`
+reads what this module writes (tests check every tensor against `save_file`'s).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from training.embedding import table_offsets
+from training.memory import CHUNK_BYTES  # the planner counts two chunks per rank
+
+FP32_BYTES = 4
+TABLE_NAME = "embedding.weight"  # the consolidated table's name in CTRModel's state
+_HEADER_ALIGN = 8  # safetensors pads its header so the data starts 8-byte aligned
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of an all-fp32 safetensors file lies.
+
+    Attributes:
+        header: The length prefix and the JSON header, padded to 8 bytes.
+        spans: Per tensor, its (start, end) byte offsets in the file.
+        shapes: Per tensor, its shape.
+        size: Bytes of the whole file.
+    """
+
+    header: bytes
+    spans: dict[str, tuple[int, int]]
+    shapes: dict[str, tuple[int, ...]]
+    size: int
+
+
+def plan_layout(
+    shapes: Mapping[str, Sequence[int]], metadata: dict[str, str] | None = None
+) -> Layout:
+    """The layout of a file of fp32 tensors of these shapes, in this order.
+
+    Args:
+        shapes: Tensor name -> shape.
+        metadata: Optional string metadata for the header's `__metadata__`.
+
+    Returns:
+        The layout: header bytes and each tensor's byte range.
+    """
+    entries: dict[str, Any] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * FP32_BYTES
+        entries[name] = {
+            "dtype": "F32",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    if metadata:
+        entries["__metadata__"] = dict(metadata)
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % _HEADER_ALIGN)
+    header = struct.pack("<Q", len(text)) + text
+    base = len(header)
+    spans = {
+        name: (base + entry["data_offsets"][0], base + entry["data_offsets"][1])
+        for name, entry in entries.items()
+        if name != "__metadata__"
+    }
+    return Layout(
+        header=header,
+        spans=spans,
+        shapes={name: tuple(shape) for name, shape in shapes.items()},
+        size=base + offset,
+    )
+
+
+def partial_path(path: Path) -> Path:
+    """Where `path` is written until it is complete."""
+    return path.with_name(path.name + ".partial")
+
+
+def create_file(path: Path, layout: Layout) -> Path:
+    """Rank 0, first: write the header into `path`'s partial file, sized to the whole file.
+
+    Returns:
+        The partial file, which every rank then writes its byte ranges into.
+    """
+    partial = partial_path(path)
+    with open(partial, "wb") as file:
+        file.write(layout.header)
+        file.truncate(layout.size)
+    return partial
+
+
+def finish_file(path: Path, layout: Layout) -> None:
+    """Rank 0, last (after every rank's writes): check the size, fsync, rename into place.
+
+    Raises:
+        RuntimeError: The partial file is not the layout's size (a writer ran past its
+            range).
+    """
+    partial = partial_path(path)
+    size = partial.stat().st_size
+    if size != layout.size:
+        raise RuntimeError(f"{partial} is {size} bytes, its layout says {layout.size}")
+    with open(partial, "rb") as file:
+        os.fsync(file.fileno())
+    os.replace(partial, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def write_pieces(
+    file: Any, layout: Layout, name: str, pieces: Iterator[tuple[int, torch.Tensor]]
+) -> None:
+    """Write (element offset, fp32 tensor) pieces of tensor `name` into its byte range.
+
+    Raises:
+        RuntimeError: A piece falls outside the tensor (a layout/shape mismatch).
+    """
+    start, end = layout.spans[name]
+    for element, piece in pieces:
+        data = np.ascontiguousarray(piece.detach().to(torch.float32).numpy(), dtype="<f4")
+        position = start + element * FP32_BYTES
+        if element < 0 or position + data.nbytes > end:
+            raise RuntimeError(
+                f"piece of {data.size} elements at element {element} does not fit tensor "
+                f"{name!r} of shape {layout.shapes[name]}"
+            )
+        file.seek(position)
+        file.write(data.data)
+        del piece, data  # before the next piece is made: one chunk alive, not two
+
+
+def table_chunks(
+    shard_files: Sequence[Path],
+    table_sizes: Sequence[int],
+    default_rows: torch.Tensor | None,
+    admission_min_count: int,
+    rank: int,
+    world_size: int,
+    chunk_rows: int,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Rank `rank`'s chunks of the interleaved embedding table, as (element offset, rows).
+
+    Shard s holds global rows s, s + S, s + 2S, ... (S = len(shard_files)), so the
+    table's rows [c * k * S, (c + 1) * k * S) are rows [c * k, (c + 1) * k) of every
+    shard, with k = chunk_rows // S. Chunk c goes to rank c % world_size.
+
+    Args:
+        shard_files: The table's row shards, in shard order.
+        table_sizes: Rows of each feature's table (their sum is the table's rows).
+        default_rows: (F, D) per-feature default rows, substituted for rows never
+            admitted; needed when admission_min_count >= 2.
+        admission_min_count: The training run's frequency admission threshold; rows
+            whose `counts` are below it (when >= 2) take their feature's default row.
+        rank: This writer.
+        world_size: Writers sharing the table.
+        chunk_rows: Table rows per chunk (rounded down to a multiple of the shards).
+
+    Yields:
+        (first element of the chunk in the table, (rows, D) fp32 rows).
+
+    Raises:
+        ValueError: The shards do not hold the table's rows.
+    """
+    shards = len(shard_files)
+    num_rows = sum(table_sizes)
+    per_shard = max(1, chunk_rows // shards)  # k: rows taken from every shard per chunk
+    local_rows = -(-num_rows // shards)  # rows of shard 0, the longest
+    admission = admission_min_count >= 2
+    if admission and default_rows is None:
+        raise ValueError("admission_min_count >= 2 needs the default rows to substitute")
+    offsets = table_offsets(list(table_sizes))
+    dim: int | None = None
+    for chunk in range(rank, -(-local_rows // per_shard), world_size):
+        lo = chunk * per_shard  # local row of every shard
+        first = lo * shards  # global row of the chunk's first row
+        rows = min(per_shard * shards, num_rows - first)
+        block: torch.Tensor | None = None
+        rejected = torch.zeros(rows, dtype=torch.bool) if admission else None
+        for s, shard_file in enumerate(shard_files):
+            have = -(-(num_rows - s) // shards)  # rows of shard s
+            hi = min(lo + per_shard, have)
+            if hi <= lo:
+                continue
+            with safe_open(str(shard_file), framework="pt") as shard:
+                weight = shard.get_slice("weight")
+                if weight.get_shape()[0] != have:
+                    raise ValueError(
+                        f"{shard_file} holds {weight.get_shape()[0]} rows; shard {s} of "
+                        f"{shards} of a {num_rows}-row table holds {have}"
+                    )
+                part = weight[lo:hi]  # (hi - lo, D)
+                if block is None:
+                    dim = part.shape[1]
+                    block = torch.empty((rows, dim), dtype=torch.float32)
+                block[s::shards] = part
+                del part
+                if rejected is not None:
+                    rejected[s::shards] = shard.get_slice("counts")[lo:hi] < admission_min_count
+        assert block is not None  # shard 0 has a row in every chunk
+        if rejected is not None and default_rows is not None:
+            # Feature by feature over the ones the chunk spans: filling with one (D,) row
+            # needs no gathered copy of the rejected rows.
+            last = int(torch.searchsorted(offsets[1:], first + rows - 1, right=True))
+            for feature in range(int(torch.searchsorted(offsets[1:], first, right=True)), last + 1):
+                a = max(int(offsets[feature]) - first, 0)
+                b = min(int(offsets[feature + 1]) - first, rows)
+                block[a:b][rejected[a:b]] = default_rows[feature].float()
+        yield first * dim, block  # type: ignore[operator]
+        del block
+
+
+def tensor_pieces(tensor: Any, chunk_numel: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """A dense tensor as flat (element offset, piece) pieces of at most chunk_numel.
+
+    A DeepSpeed ZeRO-3 `GatheredTensor` (lazy mode of `get_fp32_state_dict_from_zero_
+    checkpoint`) is read from its ranks' memory-mapped flat partitions, rank after
+    rank, without being assembled: parameter p's partition on rank i is elements
+    [offset, offset + partitioned_numel) of rank i's flat groups laid end to end, and
+    the parameter is the ranks' partitions in rank order, cut to its numel (the last
+    one is padded). Anything else is a tensor, flattened.
+    """
+    groups = getattr(tensor, "flat_groups", None)
+    if groups is None:
+        flat = (tensor if isinstance(tensor, torch.Tensor) else tensor.contiguous()).reshape(-1)
+        for start in range(0, flat.numel(), chunk_numel):
+            yield start, flat[start : start + chunk_numel]
+        return
+    group_offsets = [int(x) for x in tensor.flat_groups_offset]
+    remaining = math.prod(tensor.shape)
+    written = 0
+    begin, end = int(tensor.offset), int(tensor.offset) + int(tensor.partitioned_numel)
+    for rank_groups in groups:
+        for index, flat in enumerate(rank_groups):
+            g0, g1 = group_offsets[index], group_offsets[index + 1]
+            lo, hi = max(begin, g0), min(end, g1)
+            for start in range(lo, hi, chunk_numel):
+                if remaining == 0:
+                    return
+                piece = flat[start - g0 : min(hi, start + chunk_numel) - g0][:remaining]
+                yield written, piece
+                written += piece.numel()
+                remaining -= piece.numel()
+    if remaining:
+        raise ValueError(f"ZeRO-3 partitions hold {written} elements of a {tensor.shape} parameter")
+
+
+def write_dense(file: Any, layout: Layout, tensors: Mapping[str, Any], chunk_numel: int) -> None:
+    """Write each dense tensor (a tensor or a ZeRO-3 GatheredTensor) into its range."""
+    for name, tensor in tensors.items():
+        write_pieces(file, layout, name, tensor_pieces(tensor, chunk_numel))
+
+
+def chunk_rows_for(dim: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Table rows of `dim` fp32 values in one chunk (at least 1)."""
+    return max(1, chunk_bytes // (dim * FP32_BYTES))
+
+
+def consolidate_in_process(
+    path: Path,
+    dense: Mapping[str, Any],
+    shard_files: Sequence[Path] | None,
+    table_sizes: Sequence[int],
+    admission_min_count: int,
+    default_rows_name: str = "arch.default_rows",
+    chunk_bytes: int = CHUNK_BYTES,
+    before_finish: Callable[[], None] | None = None,
+) -> Layout:
+    """The whole consolidation by one writer (world size 1): what the ranks do together.
+
+    `dense` maps names to tensors (or GatheredTensors) with their final names; with
+    `shard_files` the table is written as TABLE_NAME first. For tests, benchmarks and
+    offline use on a finished checkpoint.
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    dim = 0
+    if shard_files is not None:
+        with safe_open(str(shard_files[0]), framework="pt") as shard:
+            dim = shard.get_slice("weight").get_shape()[1]
+        shapes[TABLE_NAME] = (sum(table_sizes), dim)
+    shapes.update({name: tuple(tensor.shape) for name, tensor in dense.items()})
+    layout = plan_layout(shapes)
+    partial = create_file(path, layout)
+    chunk_numel = max(1, chunk_bytes // FP32_BYTES)
+    with open(partial, "r+b") as file:
+        if shard_files is not None:
+            default_rows = dense.get(default_rows_name)
+            if default_rows is not None and not isinstance(default_rows, torch.Tensor):
+                default_rows = default_rows.contiguous()
+            chunks = table_chunks(
+                shard_files,
+                table_sizes,
+                default_rows,
+                admission_min_count,
+                0,
+                1,
+                chunk_rows_for(dim, chunk_bytes),
+            )
+            write_pieces(file, layout, TABLE_NAME, chunks)
+        write_dense(file, layout, dense, chunk_numel)
+    if before_finish is not None:
+        before_finish()
+    finish_file(path, layout)
+    return layout
