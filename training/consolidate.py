@@ -60,36 +60,54 @@ class Layout:
         header: The length prefix and the JSON header, padded to 8 bytes.
         spans: Per tensor, its (start, end) byte offsets in the file.
         shapes: Per tensor, its shape.
+        dtypes: Per tensor, the numpy dtype its bytes are written in.
         size: Bytes of the whole file.
     """
 
     header: bytes
     spans: dict[str, tuple[int, int]]
     shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, np.dtype]
     size: int
 
 
+# Stored types: floating point tensors as fp32; integer buffers (a pipeline model's item
+# -> feature index) keep their type, since fp32 holds integers exactly only up to 2**24.
+_STORED = {
+    torch.int64: ("I64", np.dtype("<i8")),
+    torch.int32: ("I32", np.dtype("<i4")),
+}
+_FP32 = ("F32", np.dtype("<f4"))
+
+
 def plan_layout(
-    shapes: Mapping[str, Sequence[int]], metadata: dict[str, str] | None = None
+    shapes: Mapping[str, Sequence[int]],
+    metadata: dict[str, str] | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> Layout:
-    """The layout of a file of fp32 tensors of these shapes, in this order.
+    """The layout of a file of tensors of these shapes, in this order.
 
     Args:
         shapes: Tensor name -> shape.
         metadata: Optional string metadata for the header's `__metadata__`.
+        dtypes: Tensor name -> the source dtype; int64/int32 are kept, the rest (and
+            names not given) stored as fp32.
 
     Returns:
         The layout: header bytes and each tensor's byte range.
     """
     entries: dict[str, Any] = {}
+    stored: dict[str, np.dtype] = {}
     offset = 0
     for name, shape in shapes.items():
-        nbytes = math.prod(shape) * FP32_BYTES
+        code, dtype = _STORED.get((dtypes or {}).get(name, torch.float32), _FP32)
+        nbytes = math.prod(shape) * dtype.itemsize
         entries[name] = {
-            "dtype": "F32",
+            "dtype": code,
             "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }
+        stored[name] = dtype
         offset += nbytes
     if metadata:
         entries["__metadata__"] = dict(metadata)
@@ -106,6 +124,7 @@ def plan_layout(
         header=header,
         spans=spans,
         shapes={name: tuple(shape) for name, shape in shapes.items()},
+        dtypes=stored,
         size=base + offset,
     )
 
@@ -152,15 +171,20 @@ def finish_file(path: Path, layout: Layout) -> None:
 def write_pieces(
     file: Any, layout: Layout, name: str, pieces: Iterator[tuple[int, torch.Tensor]]
 ) -> None:
-    """Write (element offset, fp32 tensor) pieces of tensor `name` into its byte range.
+    """Write (element offset, tensor) pieces of tensor `name` into its byte range, in
+    the layout's dtype for it.
 
     Raises:
         RuntimeError: A piece falls outside the tensor (a layout/shape mismatch).
     """
     start, end = layout.spans[name]
+    dtype = layout.dtypes[name]
     for element, piece in pieces:
-        data = np.ascontiguousarray(piece.detach().to(torch.float32).numpy(), dtype="<f4")
-        position = start + element * FP32_BYTES
+        source = piece.detach()
+        if dtype == _FP32[1]:
+            source = source.to(torch.float32)  # bf16 weights are stored fp32
+        data = np.ascontiguousarray(source.numpy(), dtype=dtype)
+        position = start + element * dtype.itemsize
         if element < 0 or position + data.nbytes > end:
             raise RuntimeError(
                 f"piece of {data.size} elements at element {element} does not fit tensor "

@@ -57,7 +57,6 @@ import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.utils import set_random_seed
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from safetensors.torch import save_file
 
 from data_prep.errors import ConfigError, Preempted
 from training.bst import (
@@ -70,6 +69,14 @@ from training.bst import (
 )
 from training.checkpoint import CheckpointStore
 from training.config import check_pipeline_config
+from training.consolidate import (
+    FP32_BYTES,
+    create_file,
+    finish_file,
+    plan_layout,
+    write_dense,
+)
+from training.memory import CHUNK_BYTES
 from training.sequence_model import (
     LOSSES,
     SASRec,
@@ -421,10 +428,8 @@ def run(spec: PipelineSpec) -> None:
             state = consolidate_pipeline_checkpoint(
                 spec.checkpoint_dir / CHECKPOINT_TAG, to_model or pipeline_state_to_sasrec
             )
-            # Refuse a consolidation that does not rebuild the model exactly.
-            build_model(spec).load_state_dict(state, strict=True)
             spec.weights_file.parent.mkdir(parents=True, exist_ok=True)
-            save_file(state, str(spec.weights_file))
+            write_model_weights(state, spec, spec.weights_file)
         window = min(len(losses), spec.log_every)
         done = spec.steps - start  # this run's steps
         record = {
@@ -518,11 +523,12 @@ def consolidate_pipeline_checkpoint(
         pipeline_state_to_sasrec
     ),
 ) -> dict[str, torch.Tensor]:
-    """One fp32 model state dict from a DeepSpeed pipeline checkpoint's layer files.
+    """The model's state dict from a DeepSpeed pipeline checkpoint's layer files.
 
     Each stage wrote `layer_NN-model_states.pt` for its layers (the tied item table as
     layer 00, on the first stage; a later layer that shares it has no file). The files
-    are read one at a time, so only the model itself is held in memory.
+    are memory-mapped, not read: the tensors are views of them, so `write_model_weights`
+    streams them into one file without the model ever being in memory.
 
     Args:
         tag_dir: The checkpoint tag directory, e.g. `checkpoints/final`.
@@ -530,7 +536,8 @@ def consolidate_pipeline_checkpoint(
             (`pipeline_state_to_sasrec` or `bst.bst_pipeline_state_to_model`).
 
     Returns:
-        Model parameter names -> fp32 tensors.
+        Model parameter names -> tensors in their saved dtype (bf16 weights of a bf16
+        run; `write_model_weights` stores them as fp32).
 
     Raises:
         ValueError: No layer files, or layers missing (see `pipeline_state_to_sasrec`).
@@ -541,9 +548,38 @@ def consolidate_pipeline_checkpoint(
     merged: dict[str, torch.Tensor] = {}
     for path in files:
         index = int(path.name.split("-")[0].removeprefix("layer_"))
-        for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
-            merged[f"{index}.{name}"] = tensor.float().contiguous()
+        layer = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        for name, tensor in layer.items():
+            merged[f"{index}.{name}"] = tensor
     return to_model(merged)
+
+
+def write_model_weights(state: dict[str, torch.Tensor], spec: PipelineSpec, path: Path) -> None:
+    """Stream `state` into `path` as the model's safetensors weights (floats as fp32).
+
+    Refuses a state that does not rebuild the model exactly: the names and shapes are
+    checked against the model built on the meta device (no memory), which is what a
+    strict `load_state_dict` checks.
+
+    Raises:
+        ValueError: A parameter is missing, unexpected or of another shape (named).
+    """
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in build_model(spec).state_dict().items()}
+    got = {name: tuple(t.shape) for name, t in state.items()}
+    if got != expected:
+        missing = sorted(set(expected) - set(got))
+        unexpected = sorted(set(got) - set(expected))
+        shapes = sorted(n for n in set(got) & set(expected) if got[n] != expected[n])
+        raise ValueError(
+            f"the pipeline checkpoint does not rebuild the {spec.model} model: missing "
+            f"{missing}, unexpected {unexpected}, other shapes {shapes}"
+        )
+    layout = plan_layout(got, dtypes={name: t.dtype for name, t in state.items()})
+    partial = create_file(path, layout)
+    with open(partial, "r+b") as file:
+        write_dense(file, layout, state, CHUNK_BYTES // FP32_BYTES)
+    finish_file(path, layout)
 
 
 def load_spec(path: Path) -> PipelineSpec:

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from data_prep.errors import ConfigError, InputNotFoundError
 from training.config import SEQUENCE_MODELS, TrainConfig, check_pipeline_config
-from training.memory import FP32_BYTES, RUNTIME_BYTES, MemoryPlan, _human
+from training.memory import CHUNK_BYTES, FP32_BYTES, RUNTIME_BYTES, MemoryPlan, _human
 from training.model import MODEL_CONFIG_FILE, WEIGHTS_FILE
 from training.train import (
     CHECKPOINT_DIR,
@@ -153,8 +153,9 @@ def plan_sequence_memory(
     parameters spread over the stages, fp32 grads and Adam state (ZeRO-1 partitions
     the Adam state over the data-parallel replicas), the activations of the micro
     batches a stage keeps in flight (up to pipeline_stages under DeepSpeed's 1F1B
-    schedule), the train histories the reader holds, and rank 0's fp32 copy of the
-    whole model when it consolidates. BST runs (1 + num_negatives) rows of L + 1
+    schedule), the train histories the reader holds, and the piece of at most
+    CHUNK_BYTES rank 0 converts at a time when it streams the memory-mapped layer files
+    into model.safetensors. BST runs (1 + num_negatives) rows of L + 1
     positions per sequence and gathers no candidate vectors; its head MLP is small and
     not counted.
     """
@@ -196,7 +197,7 @@ def plan_sequence_memory(
         "dense_optimizer": adam_bytes,
         "activations": activations,
         "reader": train_rows * (length + 1) * _HISTORY_ITEM_BYTES // config.data_parallel_size(),
-        "consolidation": total_params * FP32_BYTES,
+        "consolidation": min(total_params * FP32_BYTES, CHUNK_BYTES),
         "runtime": RUNTIME_BYTES,
     }
     return MemoryPlan(

@@ -15,7 +15,14 @@ from safetensors.torch import load_file
 
 from data_prep.errors import ConfigError
 from training.config import check_pipeline_config
-from training.pipeline_worker import PipelineSpec, load_spec, micro_batches
+from training.consolidate import create_file, finish_file, plan_layout, write_dense
+from training.pipeline_worker import (
+    PipelineSpec,
+    build_model,
+    load_spec,
+    micro_batches,
+    write_model_weights,
+)
 from training.sequence_model import (
     SASRec,
     bce_loss,
@@ -339,6 +346,39 @@ def test_batches_from_a_sequences_file_are_split_over_replicas(tmp_path: Path) -
         assert sorted(history.tolist()) == sorted(expected.tolist())
     with pytest.raises(ConfigError, match="4 rows cannot feed 5"):
         next(micro_batches(spec, 4, 5))
+
+
+def test_pipeline_weights_are_streamed_with_integer_buffers_kept(tmp_path: Path) -> None:
+    spec = PipelineSpec(**SPEC, num_stages=1, out=tmp_path / "o.json")
+    model = build_model(spec)
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    state["item_embedding.weight"] = state["item_embedding.weight"].bfloat16()  # a bf16 run
+    path = tmp_path / "model.safetensors"
+    write_model_weights(state, spec, path)
+    loaded = load_file(str(path))
+    assert loaded.keys() == state.keys()
+    assert all(t.dtype == torch.float32 for t in loaded.values())
+    assert torch.equal(loaded["item_embedding.weight"], state["item_embedding.weight"].float())
+    model.load_state_dict(loaded, strict=True)
+
+    # A side feature's item -> index lookup is int64 and stays int64.
+    big = torch.tensor([0, 2**24 + 1, 3])
+    assert torch.equal(load_file(str(_one_int_file(tmp_path, big)))["index"], big)
+
+    with pytest.raises(ValueError, match=r"missing \['final_norm.weight'\]"):
+        write_model_weights(
+            {k: v for k, v in state.items() if k != "final_norm.weight"}, spec, tmp_path / "x"
+        )
+    assert not (tmp_path / "x").exists()
+
+
+def _one_int_file(tmp_path: Path, values: torch.Tensor) -> Path:
+    layout = plan_layout({"index": tuple(values.shape)}, dtypes={"index": values.dtype})
+    path = tmp_path / "index.safetensors"
+    with open(create_file(path, layout), "r+b") as file:
+        write_dense(file, layout, {"index": values}, 2)
+    finish_file(path, layout)
+    return path
 
 
 def free_port() -> int:
