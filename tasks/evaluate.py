@@ -1,12 +1,14 @@
 """Prefect task for the evaluate stage."""
 
 import json
+import os
 from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
+from tasks.train import free_port
 from training.config import SEQUENCE_MODELS, EvaluateConfig
 from training.evaluate import evaluate_model
 from training.sequence_evaluate import evaluate_sequence_model
@@ -14,6 +16,7 @@ from training.sequence_evaluate import evaluate_sequence_model
 MODULES = [
     "training/bst.py",
     "training/evaluate.py",
+    "training/evaluate_worker.py",
     "training/metrics.py",
     "training/model.py",
     "training/ranking.py",
@@ -21,6 +24,13 @@ MODULES = [
     "training/sequence_export.py",
     "training/sequence_model.py",
 ]
+# How many ranks score the split, not what they compute: the metrics are the same.
+_NOT_FINGERPRINTED = {"workers"}
+
+
+def evaluate_section(config: EvaluateConfig) -> dict:
+    """The evaluate config as it enters evaluate's fingerprint (less `workers`)."""
+    return config.model_dump(exclude=_NOT_FINGERPRINTED)
 
 
 @task(name="evaluate", task_run_name="evaluate", **task_options())
@@ -41,7 +51,7 @@ def evaluate_task(
     preprocess's sequences, with the popularity baseline.
     """
     upstream = [train, shard, preprocess]
-    fp = stage_fingerprint("evaluate", config.model_dump(), upstream, MODULES)
+    fp = stage_fingerprint("evaluate", evaluate_section(config), upstream, MODULES)
 
     def produce(out_dir: Path) -> dict:
         if model in SEQUENCE_MODELS:
@@ -55,6 +65,9 @@ def evaluate_task(
                 out_dir,
                 # Names slice values by their raw value (slice/city=Paris, not #3).
                 transform_path=Path(preprocess.output) / "transform.json",
+                # Only used when evaluate.workers > 1 starts ranks.
+                env=dict(os.environ),
+                master_port=free_port(),
             )
         return {"metrics": json.loads(result.metrics_path.read_text())}
 

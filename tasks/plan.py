@@ -82,7 +82,7 @@ def stage_bases(config: Any) -> dict[Stage, StageBasis]:
             config.train.model_dump(), ("shard", "preprocess"), tuple(train.MODULES), "train"
         ),
         "evaluate": StageBasis(
-            config.evaluate.model_dump(),
+            evaluate.evaluate_section(config.evaluate),
             ("train", "shard", "preprocess"),
             tuple(evaluate.MODULES),
             "evaluate",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,12 @@ def champion_metrics_on(
                 # The package's transform is ours (checked above): slice keys match the
                 # candidate's, so slice thresholds compare the same values.
                 result = evaluate_model(
-                    config, package, Path(shard.output), Path(scratch), package / TRANSFORM
+                    config,
+                    package,
+                    Path(shard.output),
+                    Path(scratch),
+                    package / TRANSFORM,
+                    env=dict(os.environ),  # for the launcher, when evaluate.workers > 1
                 )
         except DeterministicError as error:
             return None, f"champion {champion} could not be scored on this data: {error}"

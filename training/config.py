@@ -398,10 +398,12 @@ class EvaluateConfig(BaseModel):
     workers: int = Field(
         1,
         ge=1,
-        description="CTR models: processes scoring the split, each a disjoint part of its "
-        "files (or of every file's rows, when there are fewer files than workers); their "
-        "metric accumulators are merged. 1 scores in this process. Each worker uses "
-        "cpu_count // workers torch threads.",
+        description="CTR models: ranks scoring the split (DeepSpeed's launcher, gloo), "
+        "each every workers-th shard file of it; rank 0 merges their metric accumulators, "
+        "so the metrics equal one process's and this field is not part of evaluate's "
+        "cache key. Only min(workers, files of the split) ranks start: write more eval "
+        "shards (shard.num_eval_shards) to use more. 1, or a split of one file, scores in "
+        "this process. Each rank uses cpu_count // ranks torch threads.",
     )
 
     @model_validator(mode="after")

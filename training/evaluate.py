@@ -41,36 +41,45 @@ order); shape (N,) for one task, (N, T) for several, like the exported package's
 package and compares (`training.export`): the evaluate stage is the reference.
 
 Rows are scored in batches of `evaluate.batch_size` that never cross a shard file.
-Workers: with `evaluate.workers` = P > 1, min(P, files of the split) spawned processes
-score the split, worker r every P-th file from file r (as `rank_slices` assigns files to
-ranks), and return their accumulators, which are merged in rank order; more workers than
-files would idle, so write more eval shards (`shard.num_eval_shards`) to use more. Every
-row is scored in the same batch as in one process, so it gets the same score, and counts
-and AUCs are those of one process: the exact AUC and GAUC keep every (label, score) row
-and rank them after the merge (a user whose rows two workers scored is one group), the
-bucketed AUC and the bins add integer counts. Only the float sums behind logloss, click
-rate and mean prediction are added in another order (they agree to ~1e-15). A spawned
-worker re-imports the caller's `__main__` module, which must guard its entry point with
-`if __name__ == "__main__":`.
+Ranks: with `evaluate.workers` = P > 1 and a split of F > 1 files, min(P, F) ranks score
+the split (more would idle: write more eval shards, `shard.num_eval_shards`, to use
+more), run as `python -m training.evaluate_worker` by DeepSpeed's launcher in one gloo
+process group, the way training runs. Rank r scores every min(P, F)-th file from file r
+(as `rank_slices` assigns files to ranks), rank 0 gathers the ranks' accumulators and
+merges them in rank order, and this process writes the files from the merged state by
+the same code as for one process. The launch spec (`ranks/launch.json`) and the
+launcher's output (`ranks/launcher.log`) stay in `out_dir`. Every row is scored in the
+same batch as in one process, so it gets the same score, and counts and AUCs are those
+of one process: the exact AUC and GAUC keep every (label, score) row and rank them after
+the merge (a user whose rows two ranks scored is one group), the bucketed AUC and the
+bins add integer counts. Only the float sums behind logloss, click rate and mean
+prediction are added in another order (they agree to ~1e-15). `evaluate.workers` = 1,
+or a split of one file, scores in this process without a launcher.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import pickle
+import socket
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from data_prep.errors import ConfigError, SchemaError, TransientError
+from data_prep.errors import (
+    ConfigError,
+    DataError,
+    InputNotFoundError,
+    SchemaError,
+    TransientError,
+)
 from data_prep.transform import hash_strings, load_transform
 from training.config import EvaluateConfig
 from training.data import (
@@ -90,6 +99,7 @@ from training.metrics import (
     SliceMetrics,
 )
 from training.model import CTRModel, load_model
+from training.train import _launcher_env, _run_launcher, launcher_command
 
 METRICS_FILE = "metrics.json"
 CALIBRATION_FILE = "calibration.json"
@@ -100,6 +110,25 @@ MAX_SLICE_VALUES = 1000
 # String user keys are hashed to int64 groups; two users collide with probability
 # about users**2 / 2**63.
 _USER_HASH_BUCKETS = 2**62
+# Where the ranks' launch spec, the launcher's output and rank 0's merged result go.
+RANKS_DIR = "ranks"
+LAUNCH_FILE = "launch.json"
+LAUNCHER_LOG_FILE = "launcher.log"
+_RESULT_FILE = "merged.pkl"
+_WORKER_MODULE = "training.evaluate_worker"
+# Fault injection for the chaos tests, read from the `env` a caller passes (never from
+# this process's environment) into the launch spec's "chaos"; unset in real runs.
+# "R": rank R SIGKILLs itself before scoring, as the out-of-memory killer would.
+CHAOS_KILL_RANK = "RECFORGE_CHAOS_EVALUATE_KILL_RANK"
+# A rank's error that fails the same way on every retry comes back as its own type; any
+# other failure of the ranks (one killed, a peer's broken connection) is transient.
+_DETERMINISTIC_RANK_ERRORS: dict[str, type[Exception]] = {
+    "ConfigError": ConfigError,
+    "DataError": DataError,
+    "InputNotFoundError": InputNotFoundError,
+    "SchemaError": SchemaError,
+    "ValueError": ValueError,
+}
 
 
 @dataclass(frozen=True)
@@ -147,12 +176,17 @@ def evaluate_model(
     shards_dir: Path,
     out_dir: Path,
     transform_path: Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    master_port: int | None = None,
+    python: str = sys.executable,
+    on_log: Callable[[str], None] | None = None,
 ) -> EvaluateResult:
     """Score every row of a split with the trained model and write its metrics.
 
-    With `config.workers` > 1 the split is scored by up to that many spawned processes,
-    each reading a disjoint set of its files; their accumulators are merged in rank
-    order, which gives the metrics one process would (see the module docstring).
+    With `config.workers` > 1 the split is scored by up to that many DeepSpeed ranks
+    (gloo), each reading a disjoint set of its files; their accumulators are merged in
+    rank order, which gives the metrics one process would (see the module docstring).
 
     Args:
         config: The evaluate config (split, batch size, AUC counting, slices, workers).
@@ -162,6 +196,12 @@ def evaluate_model(
             if missing.
         transform_path: preprocess's transform.json, to name slice values by their raw
             value; None keys them by index.
+        env: The launcher's environment, built by the caller (this library reads none);
+            DS_ACCELERATOR=cpu is added (evaluate scores on CPU). None: the launcher
+            inherits this process's environment as it is. Only used with ranks.
+        master_port: A free TCP port for the ranks' rendezvous; None picks one.
+        python: The interpreter that runs the launcher.
+        on_log: Called with every output line of the launcher and the ranks.
 
     Returns:
         The metrics.
@@ -173,7 +213,10 @@ def evaluate_model(
         ConfigError: `evaluate.slice_by` or `evaluate.user_key` names a column the
             shards do not have as a usable feature.
         ValueError: The model predicts NaN.
-        TransientError: A worker process died (killed, or out of memory).
+        TransientError: A rank died (killed, or out of memory) or the launcher failed.
+
+    A rank's InputNotFoundError, SchemaError, ConfigError or ValueError comes back as the
+    same type, its message prefixed with the rank.
     """
     model, model_config = load_model(train_dir)
     tasks = list(model_config["tasks"])
@@ -196,14 +239,22 @@ def evaluate_model(
         head_rows=min(config.score_sample_rows, meta.split(config.split).rows),
     )
     num_files = len(meta.split(config.split).files)
+    out_dir = Path(out_dir)
     if config.workers == 1 or num_files <= 1:
-        parts = [_score_files(plan, model, meta, 0, 1)]
+        merged = _score_files(plan, model, meta, 0, 1)
     else:
-        del model  # every worker loads its own copy
-        parts = _score_in_workers(plan, num_files)
-    merged = parts[0]
-    for part in parts[1:]:
-        merged.merge(part)
+        del model  # every rank loads its own copy
+        launch_env = _launcher_env(env, "cpu") if env is not None else None
+        merged = _score_in_ranks(
+            plan,
+            min(config.workers, num_files),
+            out_dir / RANKS_DIR,
+            launch_env,
+            master_port if master_port is not None else _free_port(),
+            python,
+            on_log,
+            chaos=_chaos_settings(env or {}),
+        )
     aucs, stats, reliability = merged.aucs, merged.stats, merged.reliability
     oracle_auc, gauc, slices = merged.oracle_auc, merged.gauc, merged.slices
     if stats[0].rows == 0:
@@ -255,7 +306,6 @@ def evaluate_model(
                 metrics[f"{prefix}/auc"] = result.auc
                 metrics[f"{prefix}/auc_error_bound"] = result.auc_error_bound
 
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / METRICS_FILE
     metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
@@ -290,7 +340,7 @@ def evaluate_model(
 
 @dataclass(frozen=True)
 class _ScoringPlan:
-    """What scoring a part of the split needs; picklable, for worker processes."""
+    """What scoring a part of the split needs; a rank rebuilds it from `to_json()`."""
 
     config: EvaluateConfig
     train_dir: Path
@@ -300,6 +350,33 @@ class _ScoringPlan:
     user_key: str | None  # GAUC's user column, None without GAUC
     skip_oov_user: bool  # leave rows of user index 0 (OOV) out of GAUC
     head_rows: int  # first rows of the split whose scores go to scores_head.npy
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON values, for the ranks' launch spec."""
+        return {
+            "config": self.config.model_dump(mode="json"),
+            "train_dir": str(self.train_dir.resolve()),
+            "shards_dir": str(self.shards_dir.resolve()),
+            "tasks": list(self.tasks),
+            "columns": list(self.columns),
+            "user_key": self.user_key,
+            "skip_oov_user": self.skip_oov_user,
+            "head_rows": self.head_rows,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> _ScoringPlan:
+        """The plan `to_json()` wrote."""
+        return cls(
+            config=EvaluateConfig.model_validate(data["config"]),
+            train_dir=Path(data["train_dir"]),
+            shards_dir=Path(data["shards_dir"]),
+            tasks=list(data["tasks"]),
+            columns=list(data["columns"]),
+            user_key=data["user_key"],
+            skip_oov_user=bool(data["skip_oov_user"]),
+            head_rows=int(data["head_rows"]),
+        )
 
 
 class _Accumulators:
@@ -347,39 +424,88 @@ class _Accumulators:
         if not seen.all():
             raise RuntimeError(
                 f"evaluate scored {int(seen.sum())} of the split's first {rows} rows; the "
-                "workers' row ranges do not cover the split"
+                "ranks' files do not cover the split"
             )
         return scores
 
 
-def _score_in_workers(plan: _ScoringPlan, num_files: int) -> list[_Accumulators]:
-    """Score the split in min(workers, files) spawned processes; parts in rank order.
+def _score_in_ranks(
+    plan: _ScoringPlan,
+    world_size: int,
+    ranks_dir: Path,
+    env: dict[str, str] | None,
+    master_port: int,
+    python: str,
+    on_log: Callable[[str], None] | None,
+    chaos: dict[str, Any],
+) -> _Accumulators:
+    """Score the split in `world_size` launcher ranks; their accumulators, merged.
 
-    Spawned, not forked: a forked child would inherit torch's thread pools and locks.
+    Raises:
+        InputNotFoundError, SchemaError, ConfigError, DataError, ValueError: A rank
+            refused its input (the message names the rank and the launcher log).
+        TransientError: A rank died, or the launcher failed or left no result.
     """
-    workers = min(plan.config.workers, num_files)
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    context = multiprocessing.get_context("spawn")
-    try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            futures = [
-                pool.submit(_score_worker, plan, rank, workers, threads) for rank in range(workers)
-            ]
-            return [future.result() for future in futures]
-    except BrokenProcessPool as error:
+    ranks_dir.mkdir(parents=True, exist_ok=True)
+    result_file = ranks_dir / _RESULT_FILE
+    result_file.unlink(missing_ok=True)  # an earlier call's: never taken for this one's
+    spec = {
+        "plan": plan.to_json(),
+        "world_size": world_size,
+        "result_file": str(result_file.resolve()),
+        "chaos": chaos,
+    }
+    spec_path = ranks_dir / LAUNCH_FILE
+    spec_path.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+    command = launcher_command(python, world_size, master_port, _WORKER_MODULE, spec_path)
+    log_path = ranks_dir / LAUNCHER_LOG_FILE
+    # _run_launcher hands env to Popen, where None inherits this process's environment.
+    returncode, tail, rank_errors = _run_launcher(command, env, log_path, on_log, None)
+    where = f"split {plan.config.split!r} of {plan.shards_dir}"
+    if returncode != 0:
+        for report in rank_errors:
+            kind, _, message = str(report.get("error", "")).partition(": ")
+            if kind in _DETERMINISTIC_RANK_ERRORS:
+                raise _DETERMINISTIC_RANK_ERRORS[kind](
+                    f"evaluate rank {report.get('rank')} of {world_size}: {message} "
+                    f"(log: {log_path})"
+                )
+        errors = "".join(
+            f"\n  rank {report.get('rank')}: {report.get('error')}" for report in rank_errors
+        )
         raise TransientError(
-            f"an evaluate worker process died while scoring split {plan.config.split!r} of "
-            f"{plan.shards_dir} (killed, or out of memory); lower evaluate.workers or "
-            "evaluate.batch_size"
-        ) from error
+            f"an evaluate rank died while scoring {where} (launcher exit code {returncode}: "
+            f"killed, or out of memory); lower evaluate.workers or evaluate.batch_size. Log: "
+            f"{log_path}; rank errors, first one first:{errors or ' none reported'}\n"
+            "last lines:\n" + "\n".join(tail)
+        )
+    if not result_file.is_file():
+        raise TransientError(
+            f"the evaluate launcher exited 0 but rank 0 wrote no {result_file} for {where}; "
+            f"log: {log_path}, last lines:\n" + "\n".join(tail)
+        )
+    # Our own ranks' file, just written by rename: pickle is safe to load here.
+    with result_file.open("rb") as file:
+        merged = pickle.load(file)
+    result_file.unlink()  # the scores of every row: not an output to publish
+    return merged
 
 
-def _score_worker(plan: _ScoringPlan, rank: int, world_size: int, threads: int) -> _Accumulators:
-    """A worker process: load the model and score rank `rank`'s files of the split."""
-    torch.set_num_threads(threads)
-    model, _ = load_model(plan.train_dir)
-    meta = load_dataset_meta(plan.shards_dir)
-    return _score_files(plan, model, meta, rank, world_size)
+def _chaos_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """The launch spec's "chaos" from the caller's `env` (see `CHAOS_KILL_RANK`)."""
+    setting = env.get(CHAOS_KILL_RANK, "")
+    if not setting:
+        return {}
+    if not setting.isdigit():
+        raise ConfigError(f"{CHAOS_KILL_RANK}={setting!r}: expected a rank number")
+    return {"kill_rank": int(setting)}
+
+
+def _free_port() -> int:
+    """A TCP port that is free right now, for the ranks' rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _score_files(
@@ -388,7 +514,7 @@ def _score_files(
     """Stream every `world_size`-th file of the split, from file `rank`, through the model.
 
     Batches never cross a file: each file is read alone (`iter_tables` over a split of
-    that one file), so a row is scored in the same batch whichever worker reads its
+    that one file), so a row is scored in the same batch whichever rank reads its
     file, and gets the same float32 score (a GEMM's result for a row depends on the
     batch around it).
 

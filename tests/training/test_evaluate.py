@@ -1,4 +1,5 @@
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -8,14 +9,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
 from sklearn.calibration import calibration_curve
 from sklearn.metrics import log_loss, roc_auc_score
 
-from data_prep.errors import ConfigError, SchemaError
+from data_prep.errors import ConfigError, InputNotFoundError, SchemaError, TransientError
+from tasks.common import StageOutput, stage_fingerprint
+from tasks.evaluate import MODULES, evaluate_section
 from training.config import EvaluateConfig
 from training.data import load_dataset_meta
-from training.evaluate import evaluate_model
-from training.model import load_model
+from training.evaluate import CHAOS_KILL_RANK, RANKS_DIR, evaluate_model
+from training.model import WEIGHTS_FILE, load_model
 
 
 def reference_scores(train_dir: Path, shards_dir: Path, split: str) -> tuple[np.ndarray, ...]:
@@ -282,12 +286,13 @@ def _assert_same_metrics(one: dict, many: dict) -> float:
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("test_files", "workers", "settings"),
     [
-        (2, 2, {"batch_size": 100}),  # one file per worker; a batch of 100 crosses no file
+        (2, 2, {"batch_size": 100}),  # one file per rank; a batch of 100 crosses no file
         (5, 3, {"batch_size": 50, "auc_mode": "bucketed", "auc_buckets": 64}),  # 2, 2, 1 files
-        (2, 4, {"batch_size": 64}),  # more workers than files: two of them run
+        (2, 4, {"batch_size": 64}),  # more workers than files: two ranks run
     ],
 )
 def test_workers_give_the_metrics_of_one_process(
@@ -316,6 +321,77 @@ def test_workers_give_the_metrics_of_one_process(
     bins_many = json.loads(many.calibration_path.read_text())["bins"]
     assert [b["count"] for b in bins_one] == [b["count"] for b in bins_many]
     np.testing.assert_array_equal(np.load(one.scores_head_path), np.load(many.scores_head_path))
+    # The ranks ran under the launcher: min(workers, files) of them, in one process group.
+    spec = json.loads((tmp_path / "many" / RANKS_DIR / "launch.json").read_text())
+    assert spec["world_size"] == min(workers, test_files)
+    assert not (tmp_path / "one" / RANKS_DIR).exists()  # one process: no launcher
+    assert not list((tmp_path / "many" / RANKS_DIR).glob("merged.pkl*"))
+
+
+def _nan_model(train_dir: Path) -> None:
+    """Make every weight of the model in `train_dir` NaN: it predicts NaN everywhere."""
+    weights = load_file(str(train_dir / WEIGHTS_FILE))
+    save_file(
+        {n: torch.full_like(t, float("nan")) for n, t in weights.items()},
+        str(train_dir / WEIGHTS_FILE),
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "error_type", "message"),
+    [
+        # Rank 1 reads file 1 of the two: its error names the rank and the file.
+        ("missing_file", InputNotFoundError, r"evaluate rank 1 of 2: .*test-00001-of-00002"),
+        ("nan_model", ValueError, r"evaluate rank [01] of 2: .*predicts NaN"),
+    ],
+)
+def test_a_rank_error_comes_back_as_its_type_naming_the_rank(
+    make_shards: Callable[..., Path],
+    make_train_dir: Callable[..., Path],
+    tmp_path: Path,
+    fault: str,
+    error_type: type[Exception],
+    message: str,
+) -> None:
+    shards_dir = make_shards(split_files={"train": 1, "valid": 1, "test": 2})
+    train_dir = make_train_dir(shards_dir)
+    if fault == "missing_file":
+        (shards_dir / load_dataset_meta(shards_dir).split("test").files[1].path).unlink()
+    else:
+        _nan_model(train_dir)
+    out_dir = tmp_path / "e"
+    with pytest.raises(error_type, match=message):
+        evaluate_model(EvaluateConfig(workers=2), train_dir, shards_dir, out_dir)
+    assert not (out_dir / "metrics.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_a_killed_rank_is_transient_and_writes_no_metrics(
+    make_shards: Callable[..., Path], make_train_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    shards_dir = make_shards(split_files={"train": 1, "valid": 1, "test": 2})
+    train_dir = make_train_dir(shards_dir)
+    out_dir = tmp_path / "e"
+    env = {**os.environ, CHAOS_KILL_RANK: "1"}  # rank 1 SIGKILLs itself, as the OOM killer
+    with pytest.raises(TransientError, match="evaluate rank died") as error:
+        evaluate_model(EvaluateConfig(workers=2), train_dir, shards_dir, out_dir, env=env)
+    assert "evaluate.workers" in str(error.value)  # says what to change
+    assert not (out_dir / "metrics.json").exists()
+    assert not list((out_dir / RANKS_DIR).glob("merged.pkl*"))
+
+
+def test_workers_are_not_part_of_evaluates_cache_key() -> None:
+    upstream = [StageOutput(stage="train", fingerprint="t", output="/t", status="ran")]
+
+    def key(config: EvaluateConfig) -> str:
+        return stage_fingerprint("evaluate", evaluate_section(config), upstream, MODULES)
+
+    assert key(EvaluateConfig(workers=1)) == key(EvaluateConfig(workers=4))
+    assert key(EvaluateConfig(batch_size=64)) != key(EvaluateConfig())  # a real change counts
+    assert "workers" not in evaluate_section(EvaluateConfig(workers=3))
+    assert "training/evaluate_worker.py" in MODULES  # its code changes rerun the stage
 
 
 def test_workers_must_be_positive() -> None:
