@@ -103,6 +103,9 @@ CHAOS_CHECKPOINT_FAULT = "RECFORGE_CHAOS_CHECKPOINT_FAULT"
 # "rng", "reader" or both, comma-separated: resume without restoring them (the negative
 # control that shows the resume test would catch a missing restore).
 CHAOS_SKIP_RESTORE = "RECFORGE_CHAOS_SKIP_RESTORE"
+# N: consolidate the sharded table in chunks of N rows instead of 64 MiB, so that a
+# test's small table still has chunks for every rank to write (`training.consolidate`).
+CHAOS_CONSOLIDATION_CHUNK_ROWS = "RECFORGE_CHAOS_CONSOLIDATION_CHUNK_ROWS"
 _SHM_BUFFER = "deepspeed_allreduce_buffer"
 # The package root, put on the ranks' PYTHONPATH so they import this very `training`.
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -365,6 +368,8 @@ def chaos_settings(env: Mapping[str, str]) -> dict[str, Any]:
         settings["checkpoint_fault"] = env[CHAOS_CHECKPOINT_FAULT]
     if env.get(CHAOS_SKIP_RESTORE):
         settings["skip_restore"] = [s for s in env[CHAOS_SKIP_RESTORE].split(",") if s]
+    if env.get(CHAOS_CONSOLIDATION_CHUNK_ROWS):
+        settings["consolidation_chunk_rows"] = int(env[CHAOS_CONSOLIDATION_CHUNK_ROWS])
     return settings
 
 

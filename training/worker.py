@@ -670,6 +670,7 @@ def run(spec: dict[str, Any]) -> None:
         table_sizes if store is not None else None,
         rank,
         world_size,
+        spec.get("chaos", {}).get("consolidation_chunk_rows"),
     )
     if rank == 0:
         samples = micro_done * samples_per_micro
@@ -730,6 +731,7 @@ def _write_weights(
     table_sizes: list[int] | None,
     rank: int,
     world_size: int,
+    chunk_rows: int | None = None,
 ) -> None:
     """Every rank: consolidate the checkpoint into `path` (fp32 `CTRModel` weights).
 
@@ -737,7 +739,8 @@ def _write_weights(
     tensors one at a time; with sharded embeddings (`table_sizes` given) every rank
     writes every W-th chunk of the table, read as row slices of the shard files, so no
     rank holds the table. Rows never admitted by frequency admission take their
-    feature's default row, which is what training fed the model for them.
+    feature's default row, which is what training fed the model for them. `chunk_rows`
+    (the chaos tests') overrides the 64 MiB chunks.
     """
     dense: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -768,7 +771,7 @@ def _write_weights(
                 config.admission_min_count,
                 rank,
                 world_size,
-                chunk_rows_for(config.embedding_dim),
+                chunk_rows or chunk_rows_for(config.embedding_dim),
             )
             write_pieces(file, layout, TABLE_NAME, chunks)
         if rank == 0:

@@ -20,6 +20,7 @@ from training.embedding import init_rows
 from training.evaluate import evaluate_model
 from training.model import build_model
 from training.train import (
+    CHAOS_CONSOLIDATION_CHUNK_ROWS,
     SHM_DIR,
     build_deepspeed_config,
     plan_total_steps,
@@ -189,6 +190,8 @@ ENGINE_CASES = {
     # ZeRO-3 arch partitions streamed lazily, the table's chunks written by both ranks.
     "zero3-sharded-admission": {"zero_stage": 3, "admission_min_count": 2},
 }
+# Chunks of 10 rows: the tiny table is many chunks, written alternately by the 2 ranks.
+CASE_ENV = {"zero3-sharded-admission": {CHAOS_CONSOLIDATION_CHUNK_ROWS: "10"}}
 
 
 @pytest.mark.slow
@@ -209,9 +212,8 @@ def test_train_with_deepspeed_on_two_cpu_ranks(
     progress: list[dict] = []
     out = tmp_path / "train"
     port = free_port()
-    result = train_model(
-        config, shards_dir, out, "cpu", port, deepspeed_env(), on_progress=progress.append
-    )
+    env = {**deepspeed_env(), **CASE_ENV.get(case, {})}
+    result = train_model(config, shards_dir, out, "cpu", port, env, on_progress=progress.append)
     # DeepSpeed's ranks leave a tmpfs buffer each behind; the launch removes them.
     assert not list(SHM_DIR.glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
