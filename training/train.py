@@ -490,13 +490,15 @@ def _launcher_env(env: Mapping[str, str], accelerator: str) -> dict[str, str]:
 
 def _run_launcher(
     command: list[str],
-    env: dict[str, str],
+    env: dict[str, str] | None,
     log_path: Path,
     on_log: Callable[[str], None] | None,
     on_progress: Callable[[dict[str, Any]], None] | None,
     owner_file: Path | None = None,
 ) -> tuple[int, list[str], list[dict[str, Any]]]:
     """Run the launcher in its own process group, streaming its merged output.
+
+    `env` is the launcher's whole environment; None inherits this process's.
 
     With `owner_file`, the ranks' process group is recorded there first, and whatever
     is left of the group an earlier attempt recorded is killed: when the process that
