@@ -26,7 +26,7 @@ Why by hand: safetensors' Python API writes a file only from tensors held whole 
 memory (`save_file`), and has no ranged or concurrent writer. The format is a
 little-endian u64 header length, a JSON header ({name: {dtype, shape, data_offsets}},
 offsets relative to the end of the header) and the raw bytes; `safetensors.safe_open`
-reads what this module writes (tests check every tensor against `save_file`'s).
+reads what this module writes (the tests read every tensor back with it).
 """
 
 from __future__ import annotations
