@@ -21,6 +21,7 @@ MODULES = [
     "training/model.py",
     "training/ranking.py",
     "training/sequence_evaluate.py",
+    "training/sequence_evaluate_worker.py",
     "training/sequence_export.py",
     "training/sequence_model.py",
 ]
@@ -56,7 +57,15 @@ def evaluate_task(
     def produce(out_dir: Path) -> dict:
         if model in SEQUENCE_MODELS:
             sequences = Path(preprocess.output) / "sequences"
-            result = evaluate_sequence_model(config, Path(train.output), sequences, out_dir)
+            result = evaluate_sequence_model(
+                config,
+                Path(train.output),
+                sequences,
+                out_dir,
+                # Only used when evaluate.workers > 1 starts ranks.
+                env=dict(os.environ),
+                master_port=free_port(),
+            )
         else:
             result = evaluate_model(
                 config,

@@ -398,11 +398,13 @@ class EvaluateConfig(BaseModel):
     workers: int = Field(
         1,
         ge=1,
-        description="CTR models: ranks scoring the split (DeepSpeed's launcher, gloo), "
-        "each every workers-th shard file of it; rank 0 merges their metric accumulators, "
-        "so the metrics equal one process's and this field is not part of evaluate's "
-        "cache key. Only min(workers, files of the split) ranks start: write more eval "
-        "shards (shard.num_eval_shards) to use more. 1, or a split of one file, scores in "
+        description="Ranks scoring the split (DeepSpeed's launcher, gloo); rank 0 merges "
+        "their parts, so the metrics equal one process's and this field is not part of "
+        "evaluate's cache key. CTR models: each rank every workers-th shard file, at most "
+        "min(workers, files of the split) ranks (write more eval shards, "
+        "shard.num_eval_shards, to use more). Sequence models: contiguous runs of whole "
+        "ranking_block_users blocks, at most min(workers, blocks) ranks (lower "
+        "ranking_block_users to use more). 1, or a split of one file or block, scores in "
         "this process. Each rank uses cpu_count // ranks torch threads.",
     )
 

@@ -400,18 +400,34 @@ def _call_scores(score_fn: ScoreFn, users: np.ndarray, candidates: np.ndarray) -
     return scores
 
 
-def evaluate_ranking(
+@dataclass(frozen=True)
+class TargetRanks:
+    """Per-user 0-based ranks of the targets, in the order of the users given.
+
+    Kept per user (not as metrics) so that parts of an evaluation ranked apart (in
+    several processes) can be concatenated in user order and give, through
+    metrics_from_ranks, exactly the metrics of one pass.
+
+    Attributes:
+        sampled: (U,) int64 ranks under the sampled protocol.
+        full: (U,) int64 ranks under the full protocol, None when it did not run.
+    """
+
+    sampled: np.ndarray
+    full: np.ndarray | None
+
+
+def rank_targets(
     score_fn: ScoreFn,
     users: np.ndarray,
     targets: np.ndarray,
     seen: list[np.ndarray],
     num_items: int,
-    ks: Sequence[int] = (10,),
     num_negatives: int = 100,
     seed: int = 0,
     full: bool = True,
     block_users: int = 1024,
-) -> RankingResult:
+) -> TargetRanks:
     """Rank each user's target under the sampled and (optionally) the full protocol.
 
     Sampled: candidates = [target] + num_negatives items the user has not seen
@@ -420,6 +436,8 @@ def evaluate_ranking(
     row for every user: score candidates[0] against all users at once, or copy with
     np.ascontiguousarray before torch.from_numpy), the user's seen items other than
     the target masked out.
+    Users are scored in blocks of `block_users` from the first one, so score_fn sees
+    the same blocks whenever the same users are passed from a block boundary.
     Peak memory is about block_users * num_items * (score bytes + 6) in full mode.
 
     Args:
@@ -430,14 +448,13 @@ def evaluate_ranking(
         targets: (U,) held-out items, in [1, num_items).
         seen: U arrays: each user's seen items (its history; may include the target).
         num_items: Item vocabulary size, padding index 0 included.
-        ks: Cutoffs of HR@K and NDCG@K.
         num_negatives: Sampled negatives per user (SASRec: 100).
         seed: Seed of the negatives.
         full: Also run the full-ranking protocol.
         block_users: Users scored per score_fn call.
 
     Returns:
-        The metrics (sampled keys, then full keys when full) and the number of users.
+        The ranks, one per user, in the order of `users`.
 
     Raises:
         TooFewNegativesError: (a ValueError) A user has fewer than num_negatives unseen items.
@@ -492,11 +509,42 @@ def evaluate_ranking(
             full_ranks[block] = rank_of_target(
                 scores[np.arange(b), block_targets - 1], scores, mask
             )
+    return TargetRanks(sampled=sampled_ranks, full=full_ranks if full else None)
 
-    metrics = metrics_from_ranks(sampled_ranks, ks, "sampled")
-    if full:
-        metrics |= metrics_from_ranks(full_ranks, ks, "full")
-    return RankingResult(metrics=metrics, num_users=len(user_ids))
+
+def evaluate_ranking(
+    score_fn: ScoreFn,
+    users: np.ndarray,
+    targets: np.ndarray,
+    seen: list[np.ndarray],
+    num_items: int,
+    ks: Sequence[int] = (10,),
+    num_negatives: int = 100,
+    seed: int = 0,
+    full: bool = True,
+    block_users: int = 1024,
+) -> RankingResult:
+    """HR@K, NDCG@K and MRR of rank_targets: the sampled and (optionally) full protocol.
+
+    Args:
+        score_fn, users, targets, seen, num_items, num_negatives, seed, full,
+            block_users: As for rank_targets.
+        ks: Cutoffs of HR@K and NDCG@K.
+
+    Returns:
+        The metrics (sampled keys, then full keys when full) and the number of users.
+
+    Raises:
+        TooFewNegativesError: (a ValueError) A user has fewer than num_negatives unseen items.
+        ValueError: As rank_targets, or a k is < 1.
+    """
+    ranks = rank_targets(
+        score_fn, users, targets, seen, num_items, num_negatives, seed, full, block_users
+    )
+    metrics = metrics_from_ranks(ranks.sampled, ks, "sampled")
+    if ranks.full is not None:
+        metrics |= metrics_from_ranks(ranks.full, ks, "full")
+    return RankingResult(metrics=metrics, num_users=len(ranks.sampled))
 
 
 def popularity_scores(train_item_counts: np.ndarray) -> ScoreFn:

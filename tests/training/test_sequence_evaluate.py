@@ -1,5 +1,7 @@
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -9,9 +11,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from data_prep.errors import InputNotFoundError, SchemaError
+from data_prep.errors import InputNotFoundError, SchemaError, TransientError
+from training.bst import BST
 from training.config import EvaluateConfig
-from training.sequence_evaluate import evaluate_sequence_model
+from training.evaluate import CHAOS_KILL_RANK, RANKS_DIR
+from training.ranking import TooFewNegativesError
+from training.sequence_evaluate import _rank_blocks, evaluate_sequence_model
 from training.sequence_export import pad_histories
 from training.sequence_model import SASRec
 
@@ -130,3 +135,106 @@ def test_missing_inputs_are_named(tmp_path: Path) -> None:
         evaluate_sequence_model(
             EvaluateConfig(), tmp_path / "train", tmp_path / "seq", tmp_path / "o"
         )
+
+
+BST_ARGS = {**ARGS, "mlp": [8]}
+
+
+def write_bst_model(train_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = BST(**BST_ARGS).eval()
+    train_dir.mkdir()
+    (train_dir / "model_config.json").write_text(json.dumps({"model": "bst", **BST_ARGS}))
+    save_file(model.state_dict(), str(train_dir / "model.safetensors"))
+
+
+def split_with_an_oov_target(tmp_path: Path, kind: str) -> None:
+    """29 users with in-vocabulary targets (one more is dropped) and the model."""
+    (write_bst_model if kind == "bst" else write_model)(tmp_path / "train")
+    rows = rows_of(5, 30)
+    rows[11]["target"] = 0  # dropped: the rows after it are renumbered
+    write_sequences(tmp_path / "seq", rows, np.arange(40, dtype=np.int64) % 7)
+
+
+@pytest.mark.parametrize(
+    ("rows", "block", "workers"),
+    [(29, 7, 2), (29, 7, 3), (29, 7, 5), (29, 1024, 2), (3, 1, 8), (10, 3, 4)],
+)
+def test_rank_blocks_cover_the_rows_in_order_on_block_boundaries(
+    rows: int, block: int, workers: int
+) -> None:
+    blocks = -(-rows // block)
+    world_size = min(workers, blocks)
+    parts = [_rank_blocks(rows, block, rank, world_size) for rank in range(world_size)]
+    assert [row for part in parts for row in part] == list(range(rows))  # rank order = row order
+    assert all(len(part) > 0 and part.start % block == 0 for part in parts)
+    sizes = [-(-len(part) // block) for part in parts]
+    assert max(sizes) - min(sizes) <= 1  # whole blocks, balanced
+
+
+def test_a_split_of_one_block_ranks_in_this_process(tmp_path: Path) -> None:
+    split_with_an_oov_target(tmp_path, "sasrec")
+    config = EvaluateConfig(ks=[1, 5], num_negatives=10, workers=4)  # 29 rows < 1024: 1 block
+    result = evaluate_sequence_model(config, tmp_path / "train", tmp_path / "seq", tmp_path / "o")
+    assert result.num_users == 29 and result.metrics["dropped_oov_targets"] == 1
+    assert not (tmp_path / "o" / RANKS_DIR).exists()  # no launcher
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "workers", "world_size"),
+    # 29 rows in blocks of 7 are 5 blocks: 2 ranks take 2 and 3 of them; BST with 3
+    # workers and blocks of 15 (2 blocks) starts only 2 ranks.
+    [("sasrec", 2, 2), ("bst", 3, 2)],
+)
+def test_ranks_give_the_bit_identical_metrics_of_one_process(
+    tmp_path: Path, kind: str, workers: int, world_size: int
+) -> None:
+    split_with_an_oov_target(tmp_path, kind)
+    block = 7 if kind == "sasrec" else 15
+    base = {"ks": [1, 5, 10], "num_negatives": 10, "ranking_block_users": block}
+    args = (tmp_path / "train", tmp_path / "seq")
+    started = time.perf_counter()
+    one = evaluate_sequence_model(EvaluateConfig(**base), *args, tmp_path / "one")
+    one_s = time.perf_counter() - started
+    many = evaluate_sequence_model(
+        EvaluateConfig(**base, workers=workers), *args, tmp_path / "many"
+    )
+    many_s = time.perf_counter() - started - one_s
+    print(f"{kind}: 1 process {one_s:.2f}s, {world_size} ranks {many_s:.2f}s")
+    metrics_one = json.loads(one.metrics_path.read_text())
+    metrics_many = json.loads(many.metrics_path.read_text())
+    # Exactly equal (JSON round-trips floats bit for bit), key order included.
+    assert list(metrics_many.items()) == list(metrics_one.items())
+    assert metrics_many["num_users"] == 29 and metrics_many["dropped_oov_targets"] == 1
+    assert ("hr@10_full" in metrics_many) == (kind == "sasrec")  # BST: sampled only
+    assert "popularity/mrr_sampled" in metrics_many
+    spec = json.loads((tmp_path / "many" / RANKS_DIR / "launch.json").read_text())
+    assert spec["world_size"] == world_size
+    assert not (tmp_path / "one" / RANKS_DIR).exists()  # one process: no launcher
+    assert not list((tmp_path / "many" / RANKS_DIR).glob("ranks.npz*"))
+
+
+@pytest.mark.slow
+def test_a_rank_error_comes_back_as_its_type_naming_the_rank(tmp_path: Path) -> None:
+    split_with_an_oov_target(tmp_path, "sasrec")
+    # 38 negatives: every user has seen more than 1 of the 39 items. The sampler finds
+    # it in the ranks, not before the launch.
+    config = EvaluateConfig(num_negatives=38, ranking_block_users=7, workers=2)
+    with pytest.raises(TooFewNegativesError, match=r"evaluate rank \d of 2: user \d+ has"):
+        evaluate_sequence_model(config, tmp_path / "train", tmp_path / "seq", tmp_path / "e")
+    assert not (tmp_path / "e" / "metrics.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_a_killed_rank_is_transient_and_writes_no_metrics(tmp_path: Path) -> None:
+    split_with_an_oov_target(tmp_path, "sasrec")
+    out_dir = tmp_path / "e"
+    env = {**os.environ, CHAOS_KILL_RANK: "1"}  # rank 1 SIGKILLs itself, as the OOM killer
+    config = EvaluateConfig(num_negatives=10, ranking_block_users=7, workers=2)
+    with pytest.raises(TransientError, match="evaluate rank died") as error:
+        evaluate_sequence_model(config, tmp_path / "train", tmp_path / "seq", out_dir, env=env)
+    assert "evaluate.workers" in str(error.value)  # says what to change
+    assert not (out_dir / "metrics.json").exists()
+    assert not list((out_dir / RANKS_DIR).glob("ranks.npz*"))
