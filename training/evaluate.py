@@ -446,27 +446,75 @@ def _score_in_ranks(
             refused its input (the message names the rank and the launcher log).
         TransientError: A rank died, or the launcher failed or left no result.
     """
+    result_file = launch_evaluate_ranks(
+        {"plan": plan.to_json()},
+        world_size,
+        ranks_dir / _RESULT_FILE,
+        _WORKER_MODULE,
+        _DETERMINISTIC_RANK_ERRORS,
+        f"scoring split {plan.config.split!r} of {plan.shards_dir}",
+        "evaluate.batch_size",
+        env,
+        master_port,
+        python,
+        on_log,
+        chaos,
+    )
+    # Our own ranks' file, just written by rename: pickle is safe to load here.
+    with result_file.open("rb") as file:
+        merged = pickle.load(file)
+    result_file.unlink()  # the scores of every row: not an output to publish
+    return merged
+
+
+def launch_evaluate_ranks(
+    spec: dict[str, Any],
+    world_size: int,
+    result_file: Path,
+    module: str,
+    deterministic: Mapping[str, type[Exception]],
+    doing: str,
+    advice: str,
+    env: dict[str, str] | None,
+    master_port: int,
+    python: str,
+    on_log: Callable[[str], None] | None,
+    chaos: dict[str, Any],
+) -> Path:
+    """Run an evaluate rank module under the launcher; the result file rank 0 wrote.
+
+    Shared by the CTR and the sequence evaluation. The launch spec (`spec` plus
+    `world_size`, `result_file` and `chaos`) and the launcher's log go next to
+    `result_file`; an earlier call's result is removed first, never taken for this one's.
+
+    Args:
+        doing: What the ranks do, for messages ("scoring split 'test' of DIR").
+        advice: The other field to lower when a rank dies (besides evaluate.workers).
+
+    Raises:
+        One of `deterministic`'s types: A rank refused its input (the message names the
+            rank and the launcher log).
+        TransientError: A rank died, or the launcher failed or left no result.
+    """
+    ranks_dir = result_file.parent
     ranks_dir.mkdir(parents=True, exist_ok=True)
-    result_file = ranks_dir / _RESULT_FILE
-    result_file.unlink(missing_ok=True)  # an earlier call's: never taken for this one's
+    result_file.unlink(missing_ok=True)
     spec = {
-        "plan": plan.to_json(),
+        **spec,
         "world_size": world_size,
         "result_file": str(result_file.resolve()),
         "chaos": chaos,
     }
     spec_path = ranks_dir / LAUNCH_FILE
     spec_path.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
-    command = launcher_command(python, world_size, master_port, _WORKER_MODULE, spec_path)
+    command = launcher_command(python, world_size, master_port, module, spec_path)
     log_path = ranks_dir / LAUNCHER_LOG_FILE
-    # _run_launcher hands env to Popen, where None inherits this process's environment.
     returncode, tail, rank_errors = _run_launcher(command, env, log_path, on_log, None)
-    where = f"split {plan.config.split!r} of {plan.shards_dir}"
     if returncode != 0:
         for report in rank_errors:
             kind, _, message = str(report.get("error", "")).partition(": ")
-            if kind in _DETERMINISTIC_RANK_ERRORS:
-                raise _DETERMINISTIC_RANK_ERRORS[kind](
+            if kind in deterministic:
+                raise deterministic[kind](
                     f"evaluate rank {report.get('rank')} of {world_size}: {message} "
                     f"(log: {log_path})"
                 )
@@ -474,21 +522,16 @@ def _score_in_ranks(
             f"\n  rank {report.get('rank')}: {report.get('error')}" for report in rank_errors
         )
         raise TransientError(
-            f"an evaluate rank died while scoring {where} (launcher exit code {returncode}: "
-            f"killed, or out of memory); lower evaluate.workers or evaluate.batch_size. Log: "
-            f"{log_path}; rank errors, first one first:{errors or ' none reported'}\n"
-            "last lines:\n" + "\n".join(tail)
+            f"an evaluate rank died while {doing} (launcher exit code {returncode}: killed, "
+            f"or out of memory); lower evaluate.workers or {advice}. Log: {log_path}; rank "
+            f"errors, first one first:{errors or ' none reported'}\nlast lines:\n" + "\n".join(tail)
         )
     if not result_file.is_file():
         raise TransientError(
-            f"the evaluate launcher exited 0 but rank 0 wrote no {result_file} for {where}; "
-            f"log: {log_path}, last lines:\n" + "\n".join(tail)
+            f"the evaluate launcher exited 0 but rank 0 wrote no {result_file} while "
+            f"{doing}; log: {log_path}, last lines:\n" + "\n".join(tail)
         )
-    # Our own ranks' file, just written by rename: pickle is safe to load here.
-    with result_file.open("rb") as file:
-        merged = pickle.load(file)
-    result_file.unlink()  # the scores of every row: not an output to publish
-    return merged
+    return result_file
 
 
 def _chaos_settings(env: Mapping[str, str]) -> dict[str, Any]:

@@ -57,11 +57,10 @@ from training.bst import BST, score_candidates
 from training.config import EvaluateConfig
 from training.evaluate import (
     _DETERMINISTIC_RANK_ERRORS,
-    LAUNCH_FILE,
-    LAUNCHER_LOG_FILE,
     RANKS_DIR,
     _chaos_settings,
     _free_port,
+    launch_evaluate_ranks,
 )
 from training.model import MODEL_CONFIG_FILE
 from training.ranking import (
@@ -73,7 +72,7 @@ from training.ranking import (
 )
 from training.sequence_export import load_sequence_model, pad_histories
 from training.sequence_model import SASRec
-from training.train import _launcher_env, _run_launcher, launcher_command
+from training.train import _launcher_env
 
 METRICS_FILE = "metrics.json"
 ITEM_COUNTS_FILE = "train_item_counts.npy"
@@ -401,47 +400,25 @@ def _rank_in_ranks(
             and the launcher log).
         TransientError: A rank died, or the launcher failed or left no result.
     """
-    ranks_dir.mkdir(parents=True, exist_ok=True)
-    result_file = ranks_dir / _RESULT_FILE
-    result_file.unlink(missing_ok=True)  # an earlier call's: never taken for this one's
-    spec = {
-        "config": config.model_dump(mode="json"),
-        "train_dir": str(train_dir.resolve()),
-        "sequences_dir": str(sequences_dir.resolve()),
-        "num_rows": num_rows,
-        "world_size": world_size,
-        "result_file": str(result_file.resolve()),
-        "chaos": chaos,
-    }
-    spec_path = ranks_dir / LAUNCH_FILE
-    spec_path.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
-    command = launcher_command(python, world_size, master_port, _WORKER_MODULE, spec_path)
-    log_path = ranks_dir / LAUNCHER_LOG_FILE
-    # _run_launcher hands env to Popen, where None inherits this process's environment.
-    returncode, tail, rank_errors = _run_launcher(command, env, log_path, on_log, None)
-    where = f"split {config.split!r} of {sequences_dir}"
-    if returncode != 0:
-        for report in rank_errors:
-            kind, _, message = str(report.get("error", "")).partition(": ")
-            if kind in _RANK_ERRORS:
-                raise _RANK_ERRORS[kind](
-                    f"evaluate rank {report.get('rank')} of {world_size}: {message} "
-                    f"(log: {log_path})"
-                )
-        errors = "".join(
-            f"\n  rank {report.get('rank')}: {report.get('error')}" for report in rank_errors
-        )
-        raise TransientError(
-            f"an evaluate rank died while ranking {where} (launcher exit code {returncode}: "
-            "killed, or out of memory); lower evaluate.workers or "
-            f"evaluate.ranking_block_users. Log: {log_path}; rank errors, first one first:"
-            f"{errors or ' none reported'}\nlast lines:\n" + "\n".join(tail)
-        )
-    if not result_file.is_file():
-        raise TransientError(
-            f"the evaluate launcher exited 0 but rank 0 wrote no {result_file} for {where}; "
-            f"log: {log_path}, last lines:\n" + "\n".join(tail)
-        )
+    result_file = launch_evaluate_ranks(
+        {
+            "config": config.model_dump(mode="json"),
+            "train_dir": str(train_dir.resolve()),
+            "sequences_dir": str(sequences_dir.resolve()),
+            "num_rows": num_rows,
+        },
+        world_size,
+        ranks_dir / _RESULT_FILE,
+        _WORKER_MODULE,
+        _RANK_ERRORS,
+        f"ranking split {config.split!r} of {sequences_dir}",
+        "evaluate.ranking_block_users",
+        env,
+        master_port,
+        python,
+        on_log,
+        chaos,
+    )
     with np.load(result_file, allow_pickle=False) as saved:
         ranks = {key: saved[key] for key in saved.files}
     result_file.unlink()  # the ranks of every row: not an output to publish
@@ -449,6 +426,7 @@ def _rank_in_ranks(
     if short or "sampled" not in ranks:
         raise TransientError(
             f"rank 0's {result_file} holds {short or sorted(ranks)} ranks, not {num_rows} "
-            f"per protocol for {where}; the ranks did not cover the split, rerun"
+            f"per protocol for split {config.split!r} of {sequences_dir}; the ranks did not "
+            "cover the split, rerun"
         )
     return ranks
