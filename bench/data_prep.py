@@ -1,4 +1,4 @@
-"""Benchmark: recforge data preparation against an idiomatic pandas job on the same files.
+"""Benchmark: recforge data preparation against idiomatic pandas and Polars jobs on the same files.
 
 For each row count the script generates synthetic logs once (``data_prep.synthetic``,
 fixed ``num_users``/``num_items`` so the vocabularies do not grow with the rows; cached
@@ -8,22 +8,39 @@ under ``--workdir``), then runs the same job in fresh subprocesses:
   schema (configs/demo.yaml) and default stage configs;
 - pandas: ``pd.read_csv`` with explicit (string) dtypes, validation by
   ``to_numeric(errors="coerce")`` masks with a quarantine file, ``value_counts``
-  vocabularies (min_count 2) and ``map``, log/standardised dense columns, a time split by
-  quantile, a seeded shuffle and ``to_parquet`` shards (4 train, 2 valid, 2 test).
+  vocabularies (min_count 2) and ``map``, log/standardised dense columns, a time split at
+  event-count quantiles, a seeded shuffle and ``to_parquet`` shards (4 train, 2 valid,
+  2 test);
+- Polars, the same job as lazy queries (``scan_csv`` with every column as text, typed
+  ``cast(strict=False)`` checks with a quarantine file, ``group_by().len()``
+  vocabularies and ``replace_strict``, the same split, dense statistics, shuffle and
+  shards), once collected with the in-memory engine (``polars``) and once with the
+  streaming engine (``polars-streaming``).
 
-Each child reports its wall time (the job, without interpreter start and imports) and
-its peak RSS (``ru_maxrss``). The last line printed is one JSON object with the raw
-figures, ``speedup_vs_pandas`` (pandas seconds / recforge seconds at 5M rows, or the
-measured size nearest to it) and ``rss_ratio_20m_vs_2m`` (recforge peak RSS at the
-largest size / at the smallest; 20M and 2M by default). Targets: speedup >= 2,
-RSS ratio <= 1.25.
+The peers check less than recforge (no per-row reasons, no duplicate-row detection, no
+line numbers), which only makes them faster. Each child reports its wall time (the job,
+without interpreter start and imports), its peak RSS (``ru_maxrss``), its good rows and
+rows per split; a peer whose good or split rows differ from recforge's fails the bench
+(the JSON is still printed, then the script exits with status 1 and says which).
+
+The last line printed is one JSON object with the raw figures and, at 5M rows (or the
+measured size nearest to it):
+
+- ``speedup_vs_polars``: Polars in-memory seconds / recforge seconds (target >= 1);
+  ``speedup_vs_polars_streaming`` the same against the streaming engine;
+- ``rss_ratio_vs_polars``: recforge peak RSS / Polars in-memory peak RSS (target <= 0.4);
+- ``speedup_vs_pandas``: pandas seconds / recforge seconds (target >= 4);
+- ``recforge_stages``: recforge's ingest/preprocess/shard seconds;
+
+and ``rss_ratio_20m_vs_2m``: recforge peak RSS at the largest size / at the smallest
+(20M and 2M by default; target <= 1.25).
 
 Usage::
 
     .venv/bin/python bench/data_prep.py                       # 2M, 5M, 20M rows
     .venv/bin/python bench/data_prep.py --rows 200000,500000  # quick
 
-pandas is an optional dependency: ``pip install -e '.[bench]'``.
+pandas and Polars are optional dependencies: ``pip install -e '.[bench]'``.
 """
 
 import argparse
@@ -44,6 +61,13 @@ SPARSE = ("user_id", "item_id", "city", "device", "hour", "category")
 INTS = ("ts", "user_id", "item_id", "hour", "position", "click")
 FLOATS = ("price", "p_true")
 MIN_COUNT = 2
+PEERS = ("pandas", "polars", "polars-streaming")
+TARGETS = {
+    "speedup_vs_polars": (">=", 1.0),
+    "rss_ratio_vs_polars": ("<=", 0.4),
+    "speedup_vs_pandas": (">=", 4.0),
+    "rss_ratio_20m_vs_2m": ("<=", 1.25),
+}
 
 
 def main() -> None:
@@ -52,37 +76,56 @@ def main() -> None:
     parser.add_argument("--format", choices=("csv", "parquet"), default="csv")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/recforge-bench"))
     parser.add_argument(
-        "--pandas-max-rows",
+        "--peer-max-rows",
         type=int,
         default=SPEEDUP_ROWS,
-        help="Skip pandas above this many rows (it holds the whole log in memory).",
+        help="Skip the peers above this many rows (they hold the whole log in memory).",
+    )
+    parser.add_argument(
+        "--peers", default=",".join(PEERS), help=f"Comma-separated subset of {PEERS}."
     )
     parser.add_argument("--repeat", type=int, default=1, help="Runs per measurement; best kept.")
-    parser.add_argument("--child", choices=("recforge", "pandas"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("recforge", *PEERS), help=argparse.SUPPRESS)
     parser.add_argument("--input", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        job = run_recforge if args.child == "recforge" else run_pandas
+        jobs = {
+            "recforge": run_recforge,
+            "pandas": run_pandas,
+            "polars": run_polars,
+            "polars-streaming": lambda raw, out: run_polars(raw, out, engine="streaming"),
+        }
         _import_engine(args.child)  # imports are not part of the job's time
         start = time.perf_counter()
-        figures = job(args.input, args.out)
+        figures = jobs[args.child](args.input, args.out)
         figures["seconds"] = time.perf_counter() - start
         figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps(figures))
         return
 
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        parser.error(f"--peers: unknown {unknown}; choose from {PEERS}")
     sizes = sorted(int(r) for r in args.rows.split(","))
     results = []
     for rows in sizes:
         raw = generate(args.workdir, rows, args.format)
         entry: dict = {"rows": rows, "raw_mb": _size_mb(raw)}
-        engines = ["recforge"] + (["pandas"] if rows <= args.pandas_max_rows else [])
+        engines = ["recforge"] + (peers if rows <= args.peer_max_rows else [])
         for engine in engines:
             entry[engine] = measure(engine, raw, args.workdir / f"out-{engine}", args.repeat)
-            print(f"{rows:>11,} rows  {engine:<8} {_describe(entry[engine])}", file=sys.stderr)
+            print(f"{rows:>11,} rows  {engine:<16} {_describe(entry[engine])}", file=sys.stderr)
         results.append(entry)
-    print(json.dumps(summarise(results, args), indent=None))
+    summary = summarise(results, args)
+    print(json.dumps(summary, indent=None))
+    if summary["mismatches"]:
+        raise SystemExit(
+            "the engines disagree on the rows they kept: "
+            + "; ".join(summary["mismatches"])
+            + ". Fix the peer job (or recforge) before comparing times."
+        )
 
 
 def generate(workdir: Path, rows: int, fmt: str) -> Path:
@@ -125,23 +168,63 @@ def measure(engine: str, raw: Path, out: Path, repeat: int) -> dict:
 
 
 def summarise(results: list[dict], args: argparse.Namespace) -> dict:
-    both = [r for r in results if "pandas" in r]
-    speedup = speedup_rows = None
-    if both:
-        at = min(both, key=lambda r: abs(r["rows"] - SPEEDUP_ROWS))
-        speedup = at["pandas"]["seconds"] / at["recforge"]["seconds"]
-        speedup_rows = at["rows"]
+    """The headline ratios at 5M rows (or the nearest size the peers ran at), and row checks."""
+    mismatches = []
+    for entry in results:
+        ours = entry["recforge"]
+        for peer in PEERS:
+            if peer not in entry:
+                continue
+            for key in ("good_rows", "split_rows"):
+                if entry[peer][key] != ours[key]:
+                    mismatches.append(
+                        f"{entry['rows']:,} rows: {peer} {key} {entry[peer][key]} != "
+                        f"recforge {ours[key]}"
+                    )
+
+    def at_speedup_rows(peer: str) -> dict | None:
+        both = [r for r in results if peer in r]
+        return min(both, key=lambda r: abs(r["rows"] - SPEEDUP_ROWS)) if both else None
+
+    def ratio(peer: str, key: str, ours_over_theirs: bool) -> float | None:
+        entry = at_speedup_rows(peer)
+        if entry is None:
+            return None
+        ours, theirs = entry["recforge"][key], entry[peer][key]
+        return ours / theirs if ours_over_theirs else theirs / ours
+
+    polars = at_speedup_rows("polars")
+    headline = (
+        polars
+        or at_speedup_rows("pandas")
+        or min(results, key=lambda r: abs(r["rows"] - SPEEDUP_ROWS))
+    )
     small, large = results[0], results[-1]
-    rss_ratio = large["recforge"]["peak_rss_mb"] / small["recforge"]["peak_rss_mb"]
+    figures = {
+        "speedup_vs_polars": ratio("polars", "seconds", False),
+        "speedup_vs_polars_streaming": ratio("polars-streaming", "seconds", False),
+        "rss_ratio_vs_polars": ratio("polars", "peak_rss_mb", True),
+        "rss_ratio_vs_polars_streaming": ratio("polars-streaming", "peak_rss_mb", True),
+        "speedup_vs_pandas": ratio("pandas", "seconds", False),
+        "rss_ratio_20m_vs_2m": large["recforge"]["peak_rss_mb"] / small["recforge"]["peak_rss_mb"],
+    }
+    met = {}
+    for key, (op, bound) in TARGETS.items():
+        value = figures[key]
+        met[key] = None if value is None else (value >= bound if op == ">=" else value <= bound)
     return {
         "benchmark": "data_prep",
         "format": args.format,
         "cpu_count": os.cpu_count(),
-        "speedup_vs_pandas": speedup,
-        "speedup_rows": speedup_rows,
-        "rss_ratio_20m_vs_2m": rss_ratio,
+        **figures,
+        "ratio_rows": headline["rows"],
         "rss_ratio_rows": [small["rows"], large["rows"]],
-        "targets": {"speedup_vs_pandas": 2.0, "rss_ratio_20m_vs_2m": 1.25},
+        "recforge_stages": headline["recforge"]["stages"],
+        "recforge_seconds": headline["recforge"]["seconds"],
+        "polars_seconds": polars["polars"]["seconds"] if polars else None,
+        "targets": {key: f"{op} {bound}" for key, (op, bound) in TARGETS.items()},
+        "targets_met": met,
+        "mismatches": mismatches,
         "results": results,
     }
 
@@ -151,8 +234,12 @@ def _import_engine(engine: str) -> None:
         import data_prep.ingest
         import data_prep.preprocess
         import data_prep.shard  # noqa: F401
-    else:
+    elif engine == "pandas":
         import pandas  # noqa: F401
+    else:
+        import polars  # noqa: F401
+    import data_prep.preprocess  # noqa: F401  (the split ranks)
+
     _demo_schema()
 
 
@@ -236,7 +323,8 @@ def run_pandas(raw: Path, out: Path) -> dict:
         good[name] = good[name].astype("int64")
 
     # Time split by event-count quantiles; rows at a boundary go to the later split.
-    valid_start, test_start = good["ts"].quantile([0.8, 0.9], interpolation="lower")
+    ranks = list(_split_ranks(len(good)))
+    valid_start, test_start = good["ts"].sort_values().iloc[ranks].tolist()
     split = np.where(good["ts"] < valid_start, 0, np.where(good["ts"] < test_start, 1, 2))
     train = split == 0
 
@@ -272,6 +360,124 @@ def run_pandas(raw: Path, out: Path) -> dict:
         "good_rows": int((~bad).sum()),
         "split_rows": {name: len(part) for name, part in parts.items()},
     }
+
+
+# -------------------------------------------------------------------------------- Polars
+
+
+def run_polars(raw: Path, out: Path, engine: str = "in-memory") -> dict:
+    """The same job in idiomatic lazy Polars; every query collected with ``engine``.
+
+    ``engine`` is ``in-memory`` or ``streaming``. The clean rows are collected once (both
+    engines hold them: the time split and the shuffle need all of them), the vocabularies,
+    statistics and transformed splits are lazy queries over them.
+    """
+    import polars as pl
+
+    schema = _demo_schema()
+    out.mkdir(parents=True)
+    files = sorted(raw.glob("part-*"))
+    names = [f.name for f in schema.fields]
+    if files[0].suffix == ".parquet":
+        text = pl.scan_parquet(files).select(pl.col(names).cast(pl.String))
+    else:
+        # Every column as text (empty cells stay ""), so malformed values can be quarantined.
+        text = pl.scan_csv(
+            files, schema=dict.fromkeys(names, pl.String), empty_string_is_null=False
+        )
+
+    typed = {name: pl.col(name).cast(pl.Int64, strict=False) for name in INTS}
+    typed |= {name: pl.col(name).cast(pl.Float64, strict=False) for name in FLOATS}
+    checks = [typed[name].is_null() for name in INTS]
+    checks.append(typed["price"].is_null() | ~typed["price"].is_finite())
+    checks.append(
+        pl.col("p_true").ne("") & (typed["p_true"].is_null() | ~typed["p_true"].is_finite())
+    )
+    checks.append(~typed["click"].is_in(schema.label_values))
+    checks.append(~typed["ts"].is_between(schema.min_timestamp, schema.max_timestamp))
+    checks += [pl.col(name).eq("") for name in ("city", "device", "category")]
+    bad = pl.any_horizontal(checks).fill_null(True)
+    quarantine = text.filter(bad).with_columns(reason=pl.lit("invalid"))
+    good = text.filter(~bad).select(
+        *[typed[name].alias(name) for name in INTS + FLOATS],
+        *[pl.col(name) for name in ("city", "device", "category")],
+    )
+    quarantine, good = pl.collect_all([quarantine, good], engine=engine)
+    quarantine.write_parquet(out / "quarantine.parquet")
+    del quarantine
+
+    # Time split at event-count quantiles; rows at a boundary go to the later split.
+    n = good.height
+    k_valid, k_test = _split_ranks(n)
+    bounds = good.lazy().select(pl.col("ts").sort().gather([k_valid, k_test]))
+    valid_start, test_start = bounds.collect(engine=engine)["ts"].to_list()
+    split = pl.when(pl.col("ts") < valid_start).then(0)
+    split = split.when(pl.col("ts") < test_start).then(1).otherwise(2)
+    train = good.lazy().filter(pl.col("ts") < valid_start)
+
+    dense = {
+        "price": pl.col("price").clip(lower_bound=0).log1p(),
+        "position": pl.col("position").cast(pl.Float64),
+    }
+    queries = [
+        train.group_by(name)
+        .len()
+        .filter(pl.col("len") >= MIN_COUNT)
+        .sort(["len", name], descending=[True, False])
+        .with_row_index("index", offset=1)
+        for name in SPARSE
+    ]
+    queries.append(
+        train.select(
+            *[value.mean().alias(f"{name}_mean") for name, value in dense.items()],
+            *[value.std(ddof=0).alias(f"{name}_std") for name, value in dense.items()],
+        )
+    )
+    *vocabularies, moments = pl.collect_all(queries, engine=engine)
+    columns = []
+    for name, vocabulary in zip(SPARSE, vocabularies, strict=True):
+        mapped = pl.col(name).replace_strict(
+            vocabulary[name], vocabulary["index"], default=0, return_dtype=pl.Int64
+        )
+        columns.append(mapped)
+    for name, value in dense.items():
+        mean, std = moments[f"{name}_mean"][0], moments[f"{name}_std"][0]
+        columns.append(((value - mean) / (std or 1.0)).fill_nan(0).cast(pl.Float32).alias(name))
+    columns.append(pl.col("click").cast(pl.Float32))
+    transformed = good.lazy().with_columns(*columns, split=split)
+    parts = pl.collect_all(
+        [transformed.filter(pl.col("split") == code).drop("split") for code in range(3)],
+        engine=engine,
+    )
+    del good
+    parts[0] = parts[0].sample(fraction=1.0, shuffle=True, seed=0)
+
+    shards = {}
+    for name, part in zip(("train", "valid", "test"), parts, strict=True):
+        count = 4 if name == "train" else 2
+        shards[name] = []
+        for index in range(count):
+            start, stop = index * part.height // count, (index + 1) * part.height // count
+            path = out / f"{name}-{index:05d}-of-{count:05d}.parquet"
+            part.slice(start, stop - start).write_parquet(path, row_group_size=65_536)
+            shards[name].append({"path": path.name, "rows": stop - start})
+    (out / "dataset.json").write_text(json.dumps({"splits": shards}))
+    return {
+        "good_rows": n,
+        "split_rows": {
+            name: part.height for name, part in zip(("train", "valid", "test"), parts, strict=True)
+        },
+    }
+
+
+def _split_ranks(rows: int) -> tuple[int, int]:
+    """0-based ranks of the first valid and first test timestamps (preprocess's definition)."""
+    from data_prep.preprocess import PreprocessConfig
+
+    config = PreprocessConfig()
+    k_valid = min(rows - 1, int(rows * (1 - config.valid_fraction - config.test_fraction)))
+    k_test = min(rows - 1, int(rows * (1 - config.test_fraction)))
+    return k_valid, k_test
 
 
 if __name__ == "__main__":
