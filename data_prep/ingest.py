@@ -28,8 +28,9 @@ range checks:
 
 The work is one call of ``ingest_file`` per input file (each writes its own parts)
 and ``combine_reports`` over their reports, so that a task runner can map over files;
-``ingest_logs`` runs them in order. The output is the same bytes for the same input,
-whatever pyarrow's thread count.
+``ingest_logs`` runs them on a thread per core (in order when records are numbered
+across files). The output is the same bytes for the same input, whatever pyarrow's
+thread count or the number of files ingested at once.
 """
 
 import hashlib
@@ -50,6 +51,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_prep.errors import DataError, InputNotFoundError, SchemaError
+from data_prep.preprocess import ordered_map
 from data_prep.readers import Format, TextBatch, read_batches
 from data_prep.schema import FieldSpec, SchemaConfig
 from data_prep.transform import splitmix64
@@ -266,17 +268,23 @@ def ingest_logs(
     schema: SchemaConfig,
     out_dir: Path,
     on_progress: Callable[[int], None] | None = None,
+    workers: int | None = None,
 ) -> IngestResult:
     """Validate raw logs into typed events and a quarantine.
 
-    Files are ingested one after another in the order ``resolve_inputs`` gives, then
-    their reports are combined.
+    Files are ingested in parallel, one thread per core (pyarrow's parser, compute
+    kernels and Parquet writer and numpy release the GIL), each into its own output
+    files, and their reports combined in input order; the output is the same bytes
+    whatever the number of threads. A schema with a generated timestamp numbers records
+    across files, so then the files are read one after another, in order.
 
     Args:
         config: the ingest section.
         schema: the raw columns and their types.
         out_dir: an empty directory to write into (the caller publishes it).
-        on_progress: called with the number of rows read so far.
+        on_progress: called with the number of rows read so far (per batch when the
+            files are read in order, per file when they are read in parallel).
+        workers: files ingested at once; default ``pyarrow.cpu_count()``.
 
     Returns:
         Row counts per outcome and reason.
@@ -291,15 +299,20 @@ def ingest_logs(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     originals = find_replays([url for url, _ in inputs])
-    global_numbers = numbers_records_globally(schema)
+    if workers is None:
+        workers = pa.cpu_count()
+    if not numbers_records_globally(schema) and workers > 1:
+        return _ingest_in_parallel(config, schema, out_dir, inputs, originals, workers, on_progress)
     reports: list[FileReport] = []
     offset = 0
     for part, (url, fmt) in enumerate(inputs):
-        start = offset if global_numbers else 0
+        start = offset if numbers_records_globally(schema) else 0
         if originals[part] is not None:
             report = quarantine_replayed_file(
                 config, url, reports[originals[part]], out_dir, part, start
             )
+            if on_progress is not None:
+                on_progress(offset + report.rows)
         else:
             progress = None
             if on_progress is not None:
@@ -312,6 +325,41 @@ def ingest_logs(
         reports.append(report)
         offset += report.rows
     return combine_reports(config, out_dir, reports)
+
+
+def _ingest_in_parallel(
+    config: IngestConfig,
+    schema: SchemaConfig,
+    out_dir: Path,
+    inputs: list[tuple[str, Format]],
+    originals: list[int | None],
+    workers: int,
+    on_progress: Callable[[int], None] | None,
+) -> IngestResult:
+    """``ingest_logs`` for files that number their records from 0: any order, any threads."""
+    originals_of = [part for part, original in enumerate(originals) if original is None]
+
+    def ingest(index: int) -> FileReport:
+        part = originals_of[index]
+        url, fmt = inputs[part]
+        return ingest_file(config, schema, url, fmt, out_dir, part)
+
+    reports: dict[int, FileReport] = {}
+    done = 0
+    for report in ordered_map(ingest, range(len(originals_of)), workers):
+        reports[report.part] = report
+        done += report.rows
+        if on_progress is not None:
+            on_progress(done)
+    for part, (url, _) in enumerate(inputs):
+        if originals[part] is not None:
+            reports[part] = quarantine_replayed_file(
+                config, url, reports[originals[part]], out_dir, part
+            )
+            done += reports[part].rows
+            if on_progress is not None:
+                on_progress(done)
+    return combine_reports(config, out_dir, [reports[p] for p in sorted(reports)])
 
 
 def numbers_records_globally(schema: SchemaConfig) -> bool:
@@ -648,8 +696,10 @@ def validate_batch(
         flag("duplicate_row", duplicate)
 
     good = reason_of < 0
-    events = pa.table(typed).filter(pa.array(good))
     bad_idx = np.flatnonzero(~good)
+    events = pa.table(typed)
+    if len(bad_idx):
+        events = events.filter(pa.array(good))
     rejected = batch.rejected
     quarantine = {
         "source": [source] * (len(bad_idx) + len(rejected)),
@@ -755,6 +805,9 @@ def _parse_scalar(
         duplicate detection: of the number for numeric fields, so ``1.0`` and ``1.00``
         are the same, and of the raw number for a thresholded label).
     """
+    fast = _parse_clean_scalar(text, spec, schema)
+    if fast is not None:
+        return fast
     missing = _mask(pc.or_kleene(pc.is_null(text), pc.equal(pc.utf8_length(text), 0)))
     checks: Checks = []
     if spec.required:
@@ -781,6 +834,52 @@ def _parse_scalar(
         )
         checks.append((f"timestamp_out_of_range:{spec.name}", ok & ~in_range))
     return pc.if_else(pa.array(ok), values, pa.scalar(None, values.type)), checks, key
+
+
+def _parse_clean_scalar(
+    text: pa.Array, spec: FieldSpec, schema: SchemaConfig
+) -> tuple[pa.Array, Checks, np.ndarray] | None:
+    """``_parse_scalar`` for a column with nothing to flag, or None to take the full path.
+
+    A column is clean when it is ``string`` without null or empty values, pyarrow's own
+    parser accepts every value, and the raw bytes show nothing that parser accepts but
+    the patterns of ``_parse_numbers`` reject (hex integers, ``nan(...)``), every float is
+    finite and every label and timestamp in range. Each of these is one pass over the
+    column's buffers (no per-value masks), and a column that fails any of them is parsed
+    and checked value by value as before, so the result never differs.
+    """
+    if not pa.types.is_string(text.type) or text.null_count:
+        return None
+    offsets = np.frombuffer(text.buffers()[1], dtype=np.int32)[
+        text.offset : text.offset + len(text) + 1
+    ]
+    if len(text) == 0 or (offsets[1:] == offsets[:-1]).any():
+        return None  # empty values: missing, or allowed and null
+    if spec.dtype == "string":
+        return text, [], _hash_text(text)
+    data = np.frombuffer(text.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]
+    try:
+        values = pc.cast(text, _ARROW_TYPES[spec.dtype])
+    except pa.ArrowInvalid:
+        return None
+    if spec.dtype == "int64":
+        # Only '-' and digits (pyarrow's parser rejects '.', '/' and a '+'): no hex.
+        if data.min() < ord("-") or data.max() > ord("9"):
+            return None
+    elif (data == ord("(")).any() or not np.isfinite(values.to_numpy()).all():
+        return None
+    key = _hash_numbers(values)
+    if spec.threshold is not None:
+        return pc.cast(pc.greater_equal(values, spec.threshold), pa.int64()), [], key
+    if spec.role == "label":
+        allowed = pa.array(schema.label_values, pa.int64())
+        if not pc.all(pc.is_in(values, value_set=allowed)).as_py():
+            return None
+    elif spec.role == "timestamp":
+        low, high = pc.min_max(values).values()
+        if low.as_py() < schema.min_timestamp or high.as_py() > schema.max_timestamp:
+            return None
+    return values, [], key
 
 
 def _parse_numbers(
