@@ -4,7 +4,7 @@ Synthetic predictions: logits ~ Normal(0, 1.5), labels ~ Bernoulli(sigmoid(logit
 scores = sigmoid(logit + noise), generated in chunks of 1M rows from a seeded numpy
 Generator (so two processes draw the same rows).
 
-- The bucketed AUC (`training.metrics.BucketedAUC`) runs streaming in a child process,
+- The bucketed AUC (`training.ctr.metrics.BucketedAUC`) runs streaming in a child process,
   which regenerates the chunks and reports its own peak RSS: the memory the streaming
   metric needs, whatever the row count.
 - The exact AUC (sort-based, ties as one half) runs in this process on all rows.
@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.metrics import BucketedAUC, roc_auc  # noqa: E402
+from training.ctr.metrics import BucketedAUC, roc_auc
 
 CHUNK = 1_000_000
 

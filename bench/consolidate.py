@@ -5,9 +5,9 @@ shards as training writes them (shard s holds rows s, s + S, ...; with `counts` 
 frequency admission), plus the arch's per-feature default rows. Two child processes,
 each fresh, turn it into one `model.safetensors`:
 
-- `in_memory`: what rank 0 did before `training.consolidate`: build the whole table
+- `in_memory`: what rank 0 did before `training.runtime.consolidate`: build the whole table
   (reading one shard at a time), substitute the rejected rows, `safetensors.save_file`.
-- `streamed`: `training.consolidate.consolidate_in_process` (one writer; in training
+- `streamed`: `training.ctr.consolidate.consolidate_in_process` (one writer; in training
   every rank writes its share the same way).
 
 Each child reports its peak RSS (VmHWM, which also counts the memory-mapped shard
@@ -41,9 +41,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from training.consolidate import TABLE_NAME, consolidate_in_process  # noqa: E402
-from training.embedding import table_offsets  # noqa: E402
-from training.memory import CHUNK_BYTES  # noqa: E402
+from training.ctr.consolidate import TABLE_NAME, consolidate_in_process
+from training.ctr.embedding import table_offsets
+from training.runtime.memory import CHUNK_BYTES
 
 MIN_COUNT = 3
 FEATURES = 4

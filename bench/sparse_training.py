@@ -4,7 +4,7 @@ Writes synthetic shard directories (dataset.json + Parquet, no pipeline) with
 `--features` single-valued sparse features whose tables hold N rows in all, ids drawn
 uniformly over each whole table (the harshest case for memory locality), two dense
 features and a click label from a fixed logistic model. Every run trains the same
-DLRM (dot interaction) through the real stack: `training.train.train_model`, the
+DLRM (dot interaction) through the real stack: `training.ctr.train.train_model`, the
 DeepSpeed launcher, `--world-size` gloo ranks, ZeRO-2 on the dense part.
 
 Figures (steady state = the median of the logging windows after the first two):
@@ -46,9 +46,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from training.config import TrainConfig  # noqa: E402
-from training.data import load_dataset_meta  # noqa: E402
-from training.reader import ShardReader, measure_throughput  # noqa: E402
-from training.train import TRAIN_LOG_FILE, train_model  # noqa: E402
+from training.ctr.data import load_dataset_meta  # noqa: E402
+from training.ctr.reader import ShardReader, measure_throughput  # noqa: E402
+from training.ctr.train import train_model  # noqa: E402
+from training.runtime.files import TRAIN_LOG_FILE  # noqa: E402
 
 ROW_GROUP = 65_536
 

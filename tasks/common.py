@@ -21,7 +21,7 @@ from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
 from data_prep.errors import DeterministicError, InputNotFoundError, TransientError
-from tasks.store import ArtifactStore, code_version, fingerprint
+from tasks.store import ArtifactStore, code_version, fingerprint, module_closure
 
 Stage = Literal["ingest", "preprocess", "shard", "train", "evaluate", "export"]
 STAGES: tuple[Stage, ...] = ("ingest", "preprocess", "shard", "train", "evaluate", "export")
@@ -66,11 +66,19 @@ def task_options(backoff_seconds: float = 2.0, retries: int = 3) -> dict[str, An
     }
 
 
-def stage_fingerprint(
-    stage: Stage, section: dict, upstream: list[StageOutput], modules: list[str]
-) -> str:
-    """Fingerprint from the config section, upstream fingerprints and the stage's source."""
-    code = code_version([_ROOT / m for m in modules])
+def stage_modules(stage: Stage) -> list[str]:
+    """The library modules stage `stage` runs: the import closure of `tasks.<stage>`."""
+    return module_closure(f"tasks.{stage}", _ROOT)
+
+
+def stage_code_version(stage: Stage) -> str:
+    """The code part of a stage's fingerprint (its modules' source, library versions)."""
+    return code_version(stage_modules(stage), _ROOT)
+
+
+def stage_fingerprint(stage: Stage, section: dict, upstream: list[StageOutput]) -> str:
+    """Fingerprint from the config section, upstream fingerprints and the stage's code."""
+    code = stage_code_version(stage)
     return fingerprint(stage, section, [u.fingerprint for u in upstream], code)
 
 

@@ -8,23 +8,11 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
-from tasks.train import free_port
 from training.config import SEQUENCE_MODELS, EvaluateConfig
-from training.evaluate import evaluate_model
-from training.sequence_evaluate import evaluate_sequence_model
+from training.ctr.evaluate import evaluate_model
+from training.runtime.launcher import free_port
+from training.sequence.evaluate import evaluate_sequence_model
 
-MODULES = [
-    "training/bst.py",
-    "training/evaluate.py",
-    "training/evaluate_worker.py",
-    "training/metrics.py",
-    "training/model.py",
-    "training/ranking.py",
-    "training/sequence_evaluate.py",
-    "training/sequence_evaluate_worker.py",
-    "training/sequence_export.py",
-    "training/sequence_model.py",
-]
 # How many ranks score the split, not what they compute: the metrics are the same.
 _NOT_FINGERPRINTED = {"workers"}
 
@@ -52,7 +40,7 @@ def evaluate_task(
     preprocess's sequences, with the popularity baseline.
     """
     upstream = [train, shard, preprocess]
-    fp = stage_fingerprint("evaluate", evaluate_section(config), upstream, MODULES)
+    fp = stage_fingerprint("evaluate", evaluate_section(config), upstream)
 
     def produce(out_dir: Path) -> dict:
         if model in SEQUENCE_MODELS:

@@ -7,10 +7,10 @@ from prefect.artifacts import create_markdown_artifact
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.store import ArtifactStore
-from training.bst_export import export_bst_model
 from training.config import SEQUENCE_MODELS, ExportConfig
-from training.export import export_model
-from training.sequence_export import export_sequence_model
+from training.ctr.export import export_model
+from training.sequence.bst_export import export_bst_model
+from training.sequence.export import export_sequence_model
 
 # The infra validation figures kept in the stage's manifest (the package holds the rest).
 INFRA_KEYS = (
@@ -22,16 +22,6 @@ INFRA_KEYS = (
     "max_abs_diff",
     "max_abs_diff_vs_evaluate",
 )
-MODULES = [
-    "training/bst.py",
-    "training/bst_export.py",
-    "training/export.py",
-    "training/model.py",
-    "training/package.py",
-    "training/package_scorer.py",
-    "training/sequence_export.py",
-    "training/sequence_model.py",
-]
 
 
 @task(name="export", task_run_name="export", **task_options())
@@ -57,7 +47,7 @@ def export_task(
     """
     upstream = [train, preprocess, shard, evaluate, *([ingest] if ingest is not None else [])]
     section = {**config.model_dump(), "model": model, "item_field": item_field}
-    fp = stage_fingerprint("export", section, upstream, MODULES)
+    fp = stage_fingerprint("export", section, upstream)
 
     def produce(out_dir: Path) -> dict:
         if model == "bst":

@@ -27,13 +27,6 @@ from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerpri
 from tasks.progress import terminal_progress
 from tasks.store import ArtifactStore
 
-MODULES = [
-    "data_prep/ingest.py",
-    "data_prep/readers.py",
-    "data_prep/transform.py",
-    "data_prep/schema.py",
-    "data_prep/drift.py",
-]
 STATS_FILE = "stats.json"
 
 
@@ -60,7 +53,7 @@ def ingest_task(
 ) -> StageOutput:
     """Validate raw logs into clean events and a quarantine; compare with the last run."""
     section = ingest_section(config, schema, drift, describe_inputs(config.path, config.format))
-    fp = stage_fingerprint("ingest", section, [], MODULES)
+    fp = stage_fingerprint("ingest", section, [])
     store = ArtifactStore(root)
     logger = get_run_logger()
 

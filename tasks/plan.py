@@ -22,9 +22,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from data_prep.errors import InputNotFoundError
 from data_prep.ingest import describe_inputs
-from tasks import evaluate, export, ingest, preprocess, shard, train
-from tasks.common import STAGES, Mode, Stage, StageOutput, task_options
-from tasks.store import MANIFEST, ArtifactStore, code_version, fingerprint
+from tasks import evaluate, ingest, preprocess
+from tasks.common import STAGES, Mode, Stage, StageOutput, stage_modules, task_options
+from tasks.store import MANIFEST, ArtifactStore, code_version, fingerprint, library_versions
 
 Action = Literal["run", "cached", "skip", "missing"]
 PLAN_FILE = "plan.json"
@@ -68,30 +68,33 @@ def stage_bases(config: Any) -> dict[Stage, StageBasis]:
         "ingest": StageBasis(
             ingest.ingest_section(config.ingest, config.schema_, config.drift, inputs),
             (),
-            tuple(ingest.MODULES),
+            tuple(stage_modules("ingest")),
         ),
         "preprocess": StageBasis(
             preprocess.preprocess_section(config.preprocess, config.schema_),
             ("ingest",),
-            tuple(preprocess.MODULES),
+            tuple(stage_modules("preprocess")),
         ),
         "shard": StageBasis(
-            config.shard.model_dump(), ("preprocess",), tuple(shard.MODULES), "shard"
+            config.shard.model_dump(), ("preprocess",), tuple(stage_modules("shard")), "shard"
         ),
         "train": StageBasis(
-            config.train.model_dump(), ("shard", "preprocess"), tuple(train.MODULES), "train"
+            config.train.model_dump(),
+            ("shard", "preprocess"),
+            tuple(stage_modules("train")),
+            "train",
         ),
         "evaluate": StageBasis(
             evaluate.evaluate_section(config.evaluate),
             ("train", "shard", "preprocess"),
-            tuple(evaluate.MODULES),
+            tuple(stage_modules("evaluate")),
             "evaluate",
         ),
         "export": StageBasis(
             {**config.export.model_dump(), "model": config.train.model,
              "item_field": config.schema_.item_key},
             ("train", "preprocess", "shard", "evaluate", "ingest"),
-            tuple(export.MODULES),
+            tuple(stage_modules("export")),
             "export",
         ),
     }  # fmt: skip
@@ -118,7 +121,7 @@ def plan_run(config: Any, modes: dict[Stage, Mode], root: str) -> list[StagePlan
         basis = bases[stage]
         upstream = [fps[name] for name in basis.upstream]
         fps[stage] = fingerprint(
-            stage, basis.section, upstream, code_version([_ROOT / m for m in basis.modules])
+            stage, basis.section, upstream, code_version(list(basis.modules), _ROOT)
         )
         published = (store.output_dir(stage, fps[stage]) / MANIFEST).is_file()
         changes = _changes(previous.get(stage), _basis_record(basis, fps, stage))
@@ -199,6 +202,7 @@ def record_bases(
 
 def _basis_record(basis: StageBasis, fps: dict[Stage, str], stage: Stage) -> dict:
     code = {m: hashlib.sha256((_ROOT / m).read_bytes()).hexdigest() for m in basis.modules}
+    code.update({f"{name} version": v for name, v in library_versions().items()})
     return {
         "fingerprint": fps[stage],
         "section": json.loads(json.dumps(basis.section, default=str)),

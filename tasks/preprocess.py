@@ -18,13 +18,6 @@ from tasks.common import (
 )
 from tasks.progress import terminal_progress
 
-MODULES = [
-    "data_prep/preprocess.py",
-    "data_prep/transform.py",
-    "data_prep/sequences.py",
-    "data_prep/schema.py",
-]
-
 
 def preprocess_section(config: PreprocessConfig, schema: SchemaConfig) -> dict:
     """What preprocess's fingerprint covers besides ingest's output."""
@@ -36,7 +29,7 @@ def preprocess_task(
     config: PreprocessConfig, schema: SchemaConfig, ingest: StageOutput, root: str, mode: Mode
 ) -> StageOutput:
     """Split clean events, fit the feature transform on train, transform every split."""
-    fp = stage_fingerprint("preprocess", preprocess_section(config, schema), [ingest], MODULES)
+    fp = stage_fingerprint("preprocess", preprocess_section(config, schema), [ingest])
 
     def produce(out_dir: Path) -> dict:
         with terminal_progress("preprocess rows", ingest.meta.get("good_rows")) as advance:

@@ -27,8 +27,8 @@ from tasks.registry import Registry
 from tasks.store import file_sha256
 from training.blessing import BlessConfig, decide, thresholds_for
 from training.config import SEQUENCE_MODELS, EvaluateConfig
-from training.evaluate import evaluate_model
-from training.sequence_evaluate import evaluate_sequence_model
+from training.ctr.evaluate import evaluate_model
+from training.sequence.evaluate import evaluate_sequence_model
 
 TRANSFORM = "transform.json"
 CHAMPION_EVALS = "champion-evals"

@@ -9,13 +9,11 @@ from data_prep.shard import ShardConfig, write_shards
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.progress import terminal_progress
 
-MODULES = ["data_prep/shard.py", "data_prep/transform.py"]
-
 
 @task(name="shard", task_run_name="shard", **task_options())
 def shard_task(config: ShardConfig, preprocess: StageOutput, root: str, mode: Mode) -> StageOutput:
     """Write balanced, shuffled train/valid/test shards and dataset.json."""
-    fp = stage_fingerprint("shard", config.model_dump(), [preprocess], MODULES)
+    fp = stage_fingerprint("shard", config.model_dump(), [preprocess])
 
     def produce(out_dir: Path) -> dict:
         total = sum(preprocess.meta.get("rows", {}).values()) or None

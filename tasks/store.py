@@ -20,13 +20,16 @@ recomputed.
 The store is local-filesystem only for now: renames are atomic there.
 """
 
+import ast
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import time
 import uuid
+from importlib import metadata
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -62,12 +65,96 @@ def fingerprint(stage: str, section: dict, inputs: list[str], code: str) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def code_version(paths: list[Path]) -> str:
-    """sha256 over the source of the modules that implement a stage."""
+# The packages whose code a stage runs; a stage's code is the closure of their modules.
+LIBRARIES = ("data_prep", "training")
+# Installed libraries whose version changes what a stage computes.
+VERSIONED_LIBRARIES = ("torch", "deepspeed", "pyarrow")
+_MODULE_NAME = re.compile(r"^(?:data_prep|training)(?:\.[A-Za-z_]\w*)+$")
+
+
+def module_closure(entry: str, root: Path) -> list[str]:
+    """The library modules a stage's code can run, as paths relative to `root`.
+
+    Starts from the library modules `entry` (a stage's task module, e.g. "tasks.train")
+    imports and follows their imports transitively, function-level imports included.
+    A string constant that names a library module counts as an import: that is how a
+    launcher starts its rank modules (`python -m training.ctr.worker`). Only modules of
+    `LIBRARIES` are followed; the task modules themselves are orchestration.
+
+    Raises:
+        FileNotFoundError: `entry` is not a module under `root`.
+    """
+    start = _module_file(entry, root)
+    if start is None:
+        raise FileNotFoundError(f"stage entry module {entry!r} is not under {root}")
+    seen: set[Path] = set()
+    pending = [
+        f
+        for f in _imported_files(start, root)
+        if f.is_relative_to(root / "data_prep") or f.is_relative_to(root / "training")
+    ]
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        pending.extend(_imported_files(path, root))
+    return sorted(str(p.relative_to(root)) for p in seen)
+
+
+def _module_file(name: str, root: Path) -> Path | None:
+    """The file of module `name` under `root` (a package's __init__.py), or None."""
+    base = root.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported_files(path: Path, root: Path) -> list[Path]:
+    """Library module files that `path` imports or names by string, packages included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            # `from training.sequence import bst_export` imports a module, not a name.
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if _MODULE_NAME.match(node.value):
+                names.add(node.value)
+    files = []
+    for name in names:
+        parts = name.split(".")
+        if parts[0] not in LIBRARIES:
+            continue
+        # The packages on the way are imported too (their __init__.py runs).
+        for depth in range(1, len(parts) + 1):
+            file = _module_file(".".join(parts[:depth]), root)
+            if file is not None:
+                files.append(file)
+    return files
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of `VERSIONED_LIBRARIES` ("" for one that is not installed)."""
+    versions = {}
+    for name in VERSIONED_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = ""
+    return versions
+
+
+def code_version(modules: list[str], root: Path) -> str:
+    """sha256 over the modules' paths and source, and the versions of the libraries."""
     digest = hashlib.sha256()
-    for path in sorted(paths):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+    for module in sorted(modules):
+        digest.update(module.encode())
+        digest.update((root / module).read_bytes())
+    digest.update(json.dumps(library_versions(), sort_keys=True).encode())
     return digest.hexdigest()
 
 

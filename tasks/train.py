@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import torch
@@ -17,25 +16,11 @@ from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerpri
 from tasks.progress import terminal_progress
 from tasks.store import ArtifactStore
 from training.config import SEQUENCE_MODELS, TrainConfig
-from training.memory import machine_memory_bytes
-from training.sequence_train import train_sequence_model
-from training.train import train_model
+from training.ctr.train import train_model
+from training.runtime.launcher import free_port
+from training.runtime.memory import machine_memory_bytes
+from training.sequence.train import train_sequence_model
 
-MODULES = [
-    "training/bst.py",
-    "training/checkpoint.py",
-    "training/config.py",
-    "training/data.py",
-    "training/embedding.py",
-    "training/memory.py",
-    "training/model.py",
-    "training/reader.py",
-    "training/train.py",
-    "training/worker.py",
-    "training/pipeline_worker.py",
-    "training/sequence_model.py",
-    "training/sequence_train.py",
-]
 # Share of the machine's memory the ranks may plan for; the rest is the OS, Prefect
 # and the page cache the reader lives on.
 MEMORY_SHARE = 0.85
@@ -53,13 +38,6 @@ def memory_budget(config: TrainConfig, accelerator: str) -> tuple[int, str]:
     )
 
 
-def free_port() -> int:
-    """A TCP port that is free right now, for the ranks' rendezvous."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 # A crashed or killed rank is transient: retry after 10 s, 20 s.
 @task(name="train", task_run_name="train", **task_options(backoff_seconds=10.0, retries=2))
 def train_task(
@@ -69,7 +47,7 @@ def train_task(
 
     CTR models read the shards; sequence models (SASRec) preprocess's sequences/.
     """
-    fp = stage_fingerprint("train", config.model_dump(), [shard, preprocess], MODULES)
+    fp = stage_fingerprint("train", config.model_dump(), [shard, preprocess])
     logger = get_run_logger()
     resume_root = ArtifactStore(root).root / "checkpoints" / "train" / fp
 
@@ -128,7 +106,7 @@ def train_task(
         create_markdown_artifact(
             key="train-memory-plan",
             markdown=result.memory_plan.table(),
-            description="Planned memory per rank (training.memory)",
+            description="Planned memory per rank (training.ctr.memory)",
         )
         if result.resumed_from_step is not None:
             logger.info("train resumed from step %d (%s)", result.resumed_from_step, resume_root)

@@ -30,7 +30,7 @@ def _no_leaked_deepspeed_buffers():
     once they are a minute old: another test session's ranks may be starting up next to
     this one. Leftovers of this test's last minute go at a later test's teardown.
     """
-    from training.train import unmapped_shm_buffers
+    from training.runtime.launcher import unmapped_shm_buffers
 
     yield
     for path in unmapped_shm_buffers():

@@ -10,7 +10,7 @@ from data_prep.errors import ConfigError, DataError
 from data_prep.preprocess import PreprocessConfig, preprocess_events
 from data_prep.schema import SchemaConfig
 from data_prep.shard import ShardConfig, shard_name, write_shards
-from training.data import load_dataset_meta, rank_slices
+from training.ctr.data import load_dataset_meta, rank_slices
 
 
 def write_events(directory, n=1000, seed=0):
@@ -238,8 +238,8 @@ def test_dataset_json_is_what_training_reads(tmp_path):
 
     # The training reader and a two-task model with a multi-hot feature consume it.
     from training.config import TrainConfig
-    from training.model import build_model, model_config_from
-    from training.reader import ShardReader
+    from training.ctr.model import build_model, model_config_from
+    from training.ctr.reader import ShardReader
 
     with ShardReader(tmp_path / "s", meta, "train", 0, 1, 32, 1, tasks=["click", "like"]) as reader:
         batch = next(iter(reader))

@@ -164,8 +164,8 @@ def test_exported_onnx_matches_trained_model_without_training_code(first_run):
     # Training-time scores of 1,000 test rows, from the trained weights.
     import torch
 
-    from training.data import iter_tables, load_dataset_meta, model_columns, to_batch
-    from training.model import load_model
+    from training.ctr.data import iter_tables, load_dataset_meta, model_columns, to_batch
+    from training.ctr.model import load_model
 
     net, _ = load_model(train_dir)
     meta = load_dataset_meta(shard_dir)

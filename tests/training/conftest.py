@@ -149,8 +149,8 @@ def write_random_train_dir(
     from safetensors.torch import save_file
 
     from training.config import TrainConfig
-    from training.data import load_dataset_meta
-    from training.model import build_model, model_config_from
+    from training.ctr.data import load_dataset_meta
+    from training.ctr.model import build_model, model_config_from
 
     config = TrainConfig(
         interaction=interaction,

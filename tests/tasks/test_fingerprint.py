@@ -1,0 +1,86 @@
+"""Stage fingerprints cover every library module a stage runs, found from its imports."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.common import STAGES
+from tasks.store import LIBRARIES, code_version, library_versions, module_closure
+
+REPO = Path(__file__).resolve().parents[2]
+# The modules each stage starts as separate processes (`python -m ...`): a closure that
+# only followed import statements would miss them.
+RANK_MODULES = {
+    "train": ["training.ctr.worker", "training.sequence.pipeline_worker"],
+    "evaluate": ["training.ctr.evaluate_worker", "training.sequence.evaluate_worker"],
+}
+
+
+def loaded_library_modules(stage: str) -> set[str]:
+    """What importing the task (and its rank modules) really loads, in a fresh process."""
+    imports = [f"tasks.{stage}", *RANK_MODULES.get(stage, [])]
+    script = (
+        "import importlib, json, sys\n"
+        f"for name in {imports!r}: importlib.import_module(name)\n"
+        "files = [m.__file__ for n, m in list(sys.modules.items())\n"
+        f"         if n.split('.')[0] in {LIBRARIES!r} and getattr(m, '__file__', None)]\n"
+        "print(json.dumps(files))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    files = json.loads(result.stdout.strip().splitlines()[-1])
+    return {str(Path(f).resolve().relative_to(REPO)) for f in files}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_closure_holds_every_module_the_stage_loads(stage: str) -> None:
+    closure = set(module_closure(f"tasks.{stage}", REPO))
+    assert loaded_library_modules(stage) <= closure
+
+
+def test_closures_name_the_modules_hand_kept_lists_missed() -> None:
+    assert "training/runtime/consolidate.py" in module_closure("tasks.train", REPO)
+    assert "training/ctr/data.py" in module_closure("tasks.evaluate", REPO)
+    # Shipped as a file into the package, never imported: named by module string.
+    assert "training/ctr/package_scorer.py" in module_closure("tasks.export", REPO)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_editing_any_module_of_the_closure_changes_the_code_version(
+    stage: str, tmp_path: Path
+) -> None:
+    for package in (*LIBRARIES, "tasks"):
+        shutil.copytree(
+            REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    modules = module_closure(f"tasks.{stage}", tmp_path)
+    assert modules == module_closure(f"tasks.{stage}", REPO)
+    before = code_version(modules, tmp_path)
+    for module in modules:
+        path = tmp_path / module
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n# edited\n")
+        assert code_version(module_closure(f"tasks.{stage}", tmp_path), tmp_path) != before, module
+        path.write_bytes(original)
+    assert code_version(modules, tmp_path) == before
+
+
+def test_library_versions_are_part_of_the_code_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    modules = module_closure("tasks.shard", REPO)
+    before = code_version(modules, REPO)
+    versions = library_versions()
+    assert set(versions) == {"torch", "deepspeed", "pyarrow"} and all(versions.values())
+    monkeypatch.setattr(
+        "tasks.store.library_versions", lambda: {**versions, "torch": versions["torch"] + "+x"}
+    )
+    assert code_version(modules, REPO) != before
+
+
+def test_a_missing_entry_module_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="tasks.nope"):
+        module_closure("tasks.nope", tmp_path)

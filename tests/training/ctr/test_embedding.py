@@ -1,0 +1,245 @@
+"""The sharded embedding store: init, lookups, row-wise optimizers, 2-rank equivalence."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from training.ctr.embedding import (
+    ADAGRAD_EPS,
+    ShardedEmbedding,
+    init_rows,
+    reshard_state,
+    table_offsets,
+)
+
+SIZES = [7, 13, 5]
+DIM = 4
+
+
+def gather_full_table(shards: list[torch.Tensor], num_rows: int) -> torch.Tensor:
+    """Interleave W shards' local rows into the (N, D) table: row g is on shard g % W."""
+    table = torch.empty((num_rows, shards[0].shape[1]), dtype=shards[0].dtype)
+    for rank, shard in enumerate(shards):
+        table[rank :: len(shards)] = shard
+    return table
+
+
+def _loss(rows: torch.Tensor, inverse: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """A nonlinear per-sample loss, averaged over the local batch (B, F) of global ids."""
+    embedded = rows[inverse].view(batch.shape[0], batch.shape[1], DIM)  # (B, F, D)
+    target = torch.linspace(-1, 1, DIM)
+    return ((embedded.sum(dim=1) - target) ** 2).sum(dim=1).tanh().mean()
+
+
+def _global_batches(steps: int, batch: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    offsets = table_offsets(SIZES)
+    batches = []
+    for _ in range(steps):
+        ids = torch.stack(
+            [torch.randint(0, n, (batch,), generator=generator) for n in SIZES], dim=1
+        )
+        batches.append(ids + offsets[:-1])  # (B, F) global ids
+    return batches
+
+
+def _train(store: ShardedEmbedding, batches: list[torch.Tensor], rank: int, world: int) -> None:
+    for global_batch in batches:
+        local = global_batch.chunk(world)[rank]
+        rows, inverse, context = store.lookup(local.flatten())
+        rows_eff = torch.where(context.admitted[:, None], rows, torch.zeros(()))
+        _loss(rows_eff, inverse, local).backward()
+        store.accumulate_gradients(rows.grad, context)
+        store.step()
+
+
+def test_init_does_not_depend_on_world_size() -> None:
+    full = init_rows(SIZES, DIM, seed=3)
+    for world in (2, 3):
+        shards = [init_rows(SIZES, DIM, seed=3, rank=r, world_size=world) for r in range(world)]
+        torch.testing.assert_close(gather_full_table(shards, sum(SIZES)), full, rtol=0, atol=0)
+    bound = 1 / SIZES[1] ** 0.5
+    assert full[7:20].abs().max() <= bound and full[7:20].abs().max() > 0.5 * bound
+    assert not torch.equal(full, init_rows(SIZES, DIM, seed=4))
+
+
+def test_init_is_chunked_independently_of_the_table_end() -> None:
+    # Same seed, a larger table: the shared leading rows keep their values.
+    small = init_rows([70_000], DIM, seed=1)
+    large = init_rows([70_000, 10], DIM, seed=1)
+    assert torch.equal(small, large[:70_000])
+
+
+def test_rowwise_adagrad_matches_the_formula_and_touches_only_batch_rows() -> None:
+    store = ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", lr=0.1, seed=0)
+    before = store.weight.clone()
+    ids = torch.tensor([3, 3, 10, 24])
+    rows, inverse, context = store.lookup(ids)
+    assert torch.equal(context.unique_ids, torch.tensor([3, 10, 24]))
+    torch.testing.assert_close(rows.detach(), before[[3, 10, 24]])
+    (rows[inverse] * torch.arange(4.0)[:, None]).sum().backward()
+    grad = rows.grad.clone()  # rows 3: 0 + 1, 10: 2, 24: 3 (times ones)
+    store.accumulate_gradients(rows.grad, context)
+    assert store.step() == 3
+    for row, g in zip([3, 10, 24], grad, strict=True):
+        sum_sq = g.pow(2).mean()
+        expected = before[row] - 0.1 * g / (sum_sq.sqrt() + ADAGRAD_EPS)
+        torch.testing.assert_close(store.weight[row], expected)
+        assert store.state["sum_sq"][row] == pytest.approx(float(sum_sq))
+    untouched = torch.ones(sum(SIZES), dtype=torch.bool)
+    untouched[[3, 10, 24]] = False
+    assert torch.equal(store.weight[untouched], before[untouched])
+
+
+def test_lazy_adam_matches_torch_adam_on_the_touched_rows() -> None:
+    store = ShardedEmbedding(SIZES, DIM, "lazy_adam", lr=0.01, seed=0)
+    reference = torch.nn.Parameter(store.weight[[2, 9]].clone())
+    adam = torch.optim.Adam([reference], lr=0.01, betas=(0.9, 0.999), eps=1e-8)
+    for step in range(3):
+        rows, inverse, context = store.lookup(torch.tensor([2, 9]))
+        weights = torch.tensor([[1.0 + step, -2.0, 0.5, 3.0]])
+        (rows * weights).sum().backward()
+        store.accumulate_gradients(rows.grad, context)
+        store.step()
+        adam.zero_grad()
+        (reference * weights).sum().backward()
+        adam.step()
+    torch.testing.assert_close(store.weight[[2, 9]], reference.detach())
+
+
+def test_admission_shares_a_default_until_k_sightings() -> None:
+    store = ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", lr=0.1, admission_min_count=3)
+    before = store.weight.clone()
+    _, _, context = store.lookup(torch.tensor([5, 5, 6]))
+    assert context.admitted.tolist() == [False, False]
+    rows, inverse, context = store.lookup(torch.tensor([5, 6]))
+    assert context.admitted.tolist() == [True, False]  # 5 seen 3 times, 6 twice
+    rows.sum().backward()
+    store.accumulate_gradients(rows.grad, context)
+    assert store.step() == 1  # only the admitted row moves
+    assert not torch.equal(store.weight[5], before[5])
+    assert torch.equal(store.weight[6], before[6])
+    # Evaluation lookups read without counting.
+    _, _, context = store.lookup(torch.tensor([6]), train=False)
+    assert context.admitted.tolist() == [False]
+
+
+def test_out_of_range_ids_are_refused() -> None:
+    store = ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", lr=0.1)
+    with pytest.raises(ValueError, match=r"\[0, 25\)"):
+        store.lookup(torch.tensor([25]))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, optimizer: str, admission: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    store = ShardedEmbedding(
+        SIZES, DIM, optimizer, lr=0.05, admission_min_count=admission, seed=1,
+        rank=rank, world_size=world,
+    )  # fmt: skip
+    _train(store, _global_batches(steps=6, batch=8), rank, world)
+    torch.save(store.state_dict(), Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "admission"), [("rowwise_adagrad", 0), ("lazy_adam", 0), ("rowwise_adagrad", 2)]
+)
+def test_two_ranks_equal_one_process(tmp_path: Path, optimizer: str, admission: int) -> None:
+    """Rows after 6 steps on 2 gloo ranks (batch 4 each) = 1 process with batch 8."""
+    context = mp.get_context("fork")
+    port = _free_port()
+    processes = [
+        context.Process(
+            target=_rank_main, args=(rank, 2, port, str(tmp_path), optimizer, admission)
+        )
+        for rank in range(2)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    two_ranks = gather_full_table([s["weight"] for s in shards], sum(SIZES))
+
+    reference = ShardedEmbedding(
+        SIZES, DIM, optimizer, lr=0.05, admission_min_count=admission, seed=1
+    )
+    _train(reference, _global_batches(steps=6, batch=8), 0, 1)
+    assert not torch.equal(reference.weight, init_rows(SIZES, DIM, seed=1))  # it trained
+    torch.testing.assert_close(two_ranks, reference.weight, rtol=1e-6, atol=1e-7)
+
+
+def test_accumulated_micro_batches_update_once_with_the_summed_gradient() -> None:
+    accumulated = ShardedEmbedding(SIZES, DIM, "lazy_adam", lr=0.05, seed=2)
+    single = ShardedEmbedding(SIZES, DIM, "lazy_adam", lr=0.05, seed=2)
+    first, second = torch.tensor([1, 4, 4, 20]), torch.tensor([4, 9, 20])
+    for ids in (first, second):  # two micro steps, one optimizer step
+        rows, inverse, context = accumulated.lookup(ids)
+        rows[inverse].pow(2).sum().backward()
+        accumulated.accumulate_gradients(rows.grad, context)
+    assert accumulated.step() == 4
+    rows, inverse, context = single.lookup(torch.cat([first, second]))
+    rows[inverse].pow(2).sum().backward()
+    single.accumulate_gradients(rows.grad, context)
+    single.step()
+    torch.testing.assert_close(accumulated.weight, single.weight)
+    assert accumulated.steps == single.steps == 1
+
+
+def test_weight_decay_adds_l2_to_the_updated_rows_only() -> None:
+    decayed = ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", lr=0.1, seed=3, weight_decay=0.5)
+    before = decayed.weight.clone()
+    rows, inverse, context = decayed.lookup(torch.tensor([4, 11]))
+    (rows[inverse] * 2.0).sum().backward()
+    decayed.accumulate_gradients(rows.grad, context)
+    decayed.step()
+    for row in (4, 11):
+        grad = 2.0 + 0.5 * before[row]  # the loss gradient plus the L2 term
+        sum_sq = grad.pow(2).mean()
+        expected = before[row] - 0.1 * grad / (sum_sq.sqrt() + ADAGRAD_EPS)
+        torch.testing.assert_close(decayed.weight[row], expected)
+    untouched = torch.ones(sum(SIZES), dtype=torch.bool)
+    untouched[[4, 11]] = False
+    assert torch.equal(decayed.weight[untouched], before[untouched])
+
+
+def test_reshard_state_moves_every_row_with_its_optimizer_state() -> None:
+    sizes = [7, 5, 11]  # 23 rows: uneven shards for every world size below
+
+    def shards(world_size: int) -> list[dict]:
+        out = []
+        for rank in range(world_size):
+            shard = ShardedEmbedding(sizes, 4, "lazy_adam", 0.1, 2, 0, rank, world_size)
+            shard.steps = 5
+            local = torch.arange(rank, 23, world_size, dtype=torch.float32)  # global row ids
+            shard.state["exp_avg"] += local[:, None]
+            shard.counts += local.long()
+            out.append(shard.state_dict())
+        return out
+
+    for old, new in [(2, 3), (3, 1), (1, 2), (2, 2)]:
+        source = shards(old)
+        for rank in range(new):
+            moved = reshard_state(source, 23, rank, new)
+            expected = shards(new)[rank]
+            assert moved.keys() == expected.keys()
+            for name in expected:
+                assert torch.equal(moved[name], expected[name]), (old, new, rank, name)
+            target = ShardedEmbedding(sizes, 4, "lazy_adam", 0.1, 2, 0, rank, new)
+            target.load_state_dict(moved)
+            assert target.steps == 5

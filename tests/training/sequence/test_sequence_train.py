@@ -1,0 +1,96 @@
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from data_prep.errors import ConfigError, InputNotFoundError
+from training.config import TrainConfig
+from training.sequence.train import (
+    check_sequence_memory,
+    plan_sequence_memory,
+    plan_sequence_steps,
+    read_sequences_meta,
+    sequence_model_config,
+    train_sequence_model,
+)
+
+SASREC = {"model": "sasrec", "pipeline_stages": 2, "world_size": 2, "zero_stage": 1}
+
+
+def test_pipeline_layouts_deepspeed_cannot_run_are_refused_at_parse_time() -> None:
+    TrainConfig(**SASREC)
+    for bad, match in [
+        ({"zero_stage": 2}, "ZeRO stage 0 or 1"),
+        ({"zero_stage": 3}, "ZeRO stage 0 or 1"),
+        ({"world_size": 3}, "does not divide"),
+        ({"sequence": {"hidden_dim": 10, "num_heads": 4}}, "not divisible"),
+        ({"precision": "fp16"}, "fp32 or bf16"),
+    ]:
+        with pytest.raises(ValidationError, match=match):
+            TrainConfig(**{**SASREC, **bad})
+    with pytest.raises(ValidationError, match="sequence models"):
+        TrainConfig(pipeline_stages=2)  # DLRM has no pipeline form
+    with pytest.raises(ValidationError, match="extra"):
+        TrainConfig(**SASREC, sequence={"blocks": 2})
+
+
+def test_steps_cover_the_epochs_over_all_replicas() -> None:
+    config = TrainConfig(**{**SASREC, "world_size": 4}, batch_size=8, grad_accum_steps=2, epochs=3)
+    assert config.data_parallel_size() == 2
+    # 3 epochs of 100 sequences at 8 x 2 x 2 = 32 per step.
+    assert plan_sequence_steps(config, 100) == 10
+    assert plan_sequence_steps(config.model_copy(update={"max_steps": 7}), 100) == 7
+    with pytest.raises(ConfigError, match="fewer than the 2 data-parallel replicas"):
+        plan_sequence_steps(config, 1)
+
+
+def test_model_config_takes_the_sequence_length_and_refuses_a_longer_one() -> None:
+    meta = {"max_length": 50, "num_items": 1000}
+    config = TrainConfig(**SASREC)
+    assert sequence_model_config(config, meta) == {
+        "model": "sasrec",
+        "num_items": 1000,
+        "max_length": 50,
+        "hidden_dim": 64,
+        "num_blocks": 2,
+        "num_heads": 1,
+        "dropout": 0.2,
+        "item_features": {},
+    }
+    shorter = TrainConfig(**SASREC, sequence={"max_length": 20})
+    assert sequence_model_config(shorter, meta)["max_length"] == 20
+    with pytest.raises(ConfigError, match="preprocess.sequence_length=50"):
+        sequence_model_config(TrainConfig(**SASREC, sequence={"max_length": 80}), meta)
+    with_features = {**meta, "item_features": {"category": 12}}
+    assert sequence_model_config(config, with_features)["item_features"] == {"category": 12}
+    bst = TrainConfig(**{**SASREC, "model": "bst"})
+    assert "item_features" not in sequence_model_config(bst, meta)
+    with pytest.raises(ConfigError, match="takes no item side features"):
+        sequence_model_config(bst, with_features)
+
+
+def test_memory_plan_grows_with_the_batch_and_refuses_what_does_not_fit() -> None:
+    model = {"model": "sasrec", "num_items": 1_000_000, "max_length": 200, "hidden_dim": 64}
+    model |= {"num_blocks": 2, "num_heads": 1}
+    small = plan_sequence_memory(TrainConfig(**SASREC, batch_size=32), model, 10_000)
+    big = plan_sequence_memory(TrainConfig(**SASREC, batch_size=512), model, 10_000)
+    assert big.per_rank["activations"] == pytest.approx(16 * small.per_rank["activations"])
+    assert small.per_rank["embeddings"] == 1_000_000 * 64 * 4
+    check_sequence_memory(small, small.total, "test")
+    with pytest.raises(ConfigError, match="Lower train.batch_size") as error:
+        check_sequence_memory(big, small.total, "train.memory_per_rank_gb")
+    assert "activations" in str(error.value) and "train.memory_per_rank_gb" in str(error.value)
+
+
+def test_missing_sequences_say_to_set_sequence_length(tmp_path: Path) -> None:
+    with pytest.raises(InputNotFoundError, match="preprocess.sequence_length"):
+        read_sequences_meta(tmp_path)
+    with pytest.raises(InputNotFoundError, match="sequence_length"):
+        train_sequence_model(
+            TrainConfig(**SASREC), tmp_path, tmp_path / "out", "cpu", 12345, env={}
+        )
+    (tmp_path / "sequences.json").write_text(json.dumps({"max_length": 5}))
+    (tmp_path / "train.parquet").write_bytes(b"")
+    with pytest.raises(ConfigError, match="num_items"):
+        read_sequences_meta(tmp_path)

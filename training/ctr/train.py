@@ -1,0 +1,267 @@
+"""Train stage: launch DeepSpeed ranks on a shard directory and collect their output.
+
+Reads `<shards_dir>/dataset.json` (the train split's files are read by the ranks).
+Writes to `out_dir`:
+
+- `train_config.json`: the resolved train config;
+- `model_config.json`: the `CTRModel` constructor arguments (see `training.ctr.model`);
+- `memory_plan.json`: the memory planner's per-rank estimate (see `training.ctr.memory`);
+- `launch.json`: the launch spec the ranks read (configs, paths, step plan);
+- `launcher.log`: every line the launcher and its ranks printed;
+- and, from the ranks (see `training.ctr.worker`): `train_log.jsonl`, `checkpoints/final/`,
+  `model.safetensors` (consolidated fp32 weights), `tensorboard/` and
+  `train_summary.json`.
+
+Before anything is launched, the memory planner estimates each rank's memory for
+the config and world size and refuses a config that cannot fit its budget.
+
+The ranks run as `python -m deepspeed.launcher.runner ... --module training.ctr.worker`
+in their own process group, which is killed if this function is interrupted, so
+they are never orphaned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from data_prep.errors import (
+    ConfigError,
+)
+from training.config import TrainConfig
+from training.ctr.data import DatasetMeta, load_dataset_meta
+from training.ctr.memory import check_memory, plan_memory
+from training.ctr.model import build_arch, model_config_from
+from training.ctr.reader import steps_per_epoch
+from training.runtime.deepspeed_config import build_deepspeed_config
+from training.runtime.files import (
+    LAUNCH_FILE,
+    LAUNCHER_LOG_FILE,
+    MEMORY_PLAN_FILE,
+    MODEL_CONFIG_FILE,
+    RANKS_FILE,
+    RESUME_DIR,
+    SUMMARY_FILE,
+    TRAIN_CONFIG_FILE,
+    TRAIN_LOG_FILE,
+    WEIGHTS_FILE,
+    write_json,
+)
+from training.runtime.launcher import (
+    TrainResult,
+    chaos_settings,
+    launch_ranks,
+    launcher_command,
+    launcher_env,
+)
+from training.runtime.memory import MemoryPlan, plan_record
+
+_NOT_FINGERPRINTED = (
+    "log_every",
+    "tensorboard",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "prefetch_batches",
+    "memory_per_rank_gb",
+)
+
+
+# How each training step's time is split (see training.ctr.worker).
+PHASES = ("data", "lookup", "dense", "optimizer")
+
+
+TRAIN_SPLIT = "train"
+
+
+def plan_total_steps(config: TrainConfig, meta: DatasetMeta) -> int:
+    """Optimizer steps of a run: `max_steps` if set, else from `epochs` and the train rows.
+
+    Args:
+        config: The train config.
+        meta: The dataset description.
+
+    Returns:
+        Number of optimizer steps (>= 1).
+
+    Raises:
+        ConfigError: The train split is too small for one optimizer step.
+    """
+    streams = config.num_data_streams()
+    rows_per_stream = config.batch_size * config.world_size // streams
+    micro_per_epoch = steps_per_epoch(meta, TRAIN_SPLIT, streams, rows_per_stream)
+    if micro_per_epoch == 0:
+        raise ConfigError(
+            f"train.batch_size={config.batch_size}: the train split has "
+            f"{meta.split(TRAIN_SPLIT).rows} rows in {streams} streams, fewer than one batch "
+            f"of {config.batch_size} per rank for world_size={config.world_size}; lower "
+            "batch_size, world_size or data_streams"
+        )
+    if config.max_steps is not None:
+        return config.max_steps
+    total = int(config.epochs * micro_per_epoch) // config.grad_accum_steps
+    if total == 0:
+        raise ConfigError(
+            f"train.epochs={config.epochs}: {config.epochs} x {micro_per_epoch} micro batches "
+            f"is less than one optimizer step of grad_accum_steps={config.grad_accum_steps}; "
+            "raise epochs or lower grad_accum_steps"
+        )
+    return total
+
+
+def train_model(
+    config: TrainConfig,
+    shards_dir: Path,
+    out_dir: Path,
+    accelerator: Literal["cpu", "cuda"],
+    master_port: int,
+    env: Mapping[str, str],
+    on_log: Callable[[str], None] | None = None,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    python: str = sys.executable,
+    memory_budget: tuple[int, str] | None = None,
+    checkpoint_root: Path | None = None,
+) -> TrainResult:
+    """Train a CTR model with `config.world_size` DeepSpeed ranks on this machine.
+
+    Args:
+        config: The train config.
+        shards_dir: The shard directory (with dataset.json).
+        out_dir: Output directory; created if missing. Outputs of an earlier run there
+            are replaced.
+        accelerator: "cpu" (gloo, sets DS_ACCELERATOR=cpu for the ranks) or "cuda".
+        master_port: A free TCP port for the ranks' rendezvous.
+        env: The launcher's environment, built by the caller (this library reads none).
+        on_log: Called with every output line of the launcher and the ranks.
+        on_progress: Called with every parsed progress record
+            ({"step", "total_steps", "loss", "samples_per_s", "epoch"}).
+        python: The interpreter that runs the launcher.
+        memory_budget: (bytes per rank, where that figure comes from) for the memory
+            planner when `train.memory_per_rank_gb` (GiB) is unset; on CPU it is taken
+            to be this machine's memory split over the ranks. None skips the check then.
+        checkpoint_root: Where `train.checkpoint_every` checkpoints go (see
+            `training.runtime.checkpoint`); a call with the same root and config resumes from
+            the newest valid one. Pass a directory that outlives `out_dir` (the train
+            task uses one per fingerprint) so that a retry resumes. Default
+            `out_dir / "resume"`.
+
+    Returns:
+        The run's result (`resumed_from_step`: the checkpoint it continued from).
+
+    Raises:
+        InputNotFoundError: dataset.json or the shard directory is missing.
+        SchemaError: dataset.json is invalid or has no train split.
+        ConfigError: The train split is too small for the config, or the memory plan
+            does not fit the budget (the message says what to change).
+        TrainingCrashed: The launcher or a rank exited non-zero (message has the exit
+            code and the last output lines).
+    """
+    started = time.monotonic()
+    shards_dir = Path(shards_dir).resolve()
+    out_dir = Path(out_dir).resolve()
+    launch_env = launcher_env(env, accelerator)
+    if accelerator == "cpu" and config.precision == "fp16":
+        raise ConfigError(
+            "train.precision=fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 "
+            "kernels; use precision: bf16 (no loss scaling needed) or fp32 on CPU"
+        )
+    meta = load_dataset_meta(shards_dir)
+    total_steps = plan_total_steps(config, meta)
+
+    model_config = model_config_from(config, meta)
+    memory_plan = _plan_memory(config, meta, model_config, accelerator, memory_budget)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (TRAIN_LOG_FILE, SUMMARY_FILE, WEIGHTS_FILE, LAUNCHER_LOG_FILE):
+        (out_dir / stale).unlink(missing_ok=True)
+    write_json(out_dir / MEMORY_PLAN_FILE, plan_record(memory_plan))
+    spec = {
+        "backend": "gloo" if accelerator == "cpu" else "nccl",
+        "train_config": config.model_dump(mode="json"),
+        "shards_dir": str(shards_dir),
+        "out_dir": str(out_dir),
+        "model_config": model_config,
+        "ds_config": build_deepspeed_config(config, config.world_size, total_steps),
+        "total_steps": total_steps,
+        "checkpoint_root": str(Path(checkpoint_root or out_dir / RESUME_DIR).resolve()),
+    }
+    spec["config_fingerprint"] = config_fingerprint(spec)
+    spec["chaos"] = chaos_settings(env)
+    write_json(out_dir / TRAIN_CONFIG_FILE, spec["train_config"])
+    write_json(out_dir / MODEL_CONFIG_FILE, model_config)
+    spec_path = out_dir / LAUNCH_FILE
+    write_json(spec_path, spec)
+
+    command = launcher_command(
+        python, config.world_size, master_port, "training.ctr.worker", spec_path
+    )
+    # Resumable runs share their checkpoints across attempts: record who writes them.
+    owner = Path(spec["checkpoint_root"]) / RANKS_FILE if config.checkpoint_every else None
+    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner)
+    return TrainResult(
+        out_dir=out_dir,
+        final_loss=float(summary["final_loss"]),
+        steps=int(summary["steps"]),
+        samples_per_s=float(summary["samples_per_s"]),
+        seconds=time.monotonic() - started,
+        step_ms=dict(summary.get("step_ms", {})),
+        memory_plan=memory_plan,
+        resumed_from_step=summary.get("resumed_from_step"),
+    )
+
+
+def config_fingerprint(spec: Mapping[str, Any]) -> str:
+    """sha256 of what a resumed run must share with the run that wrote the checkpoint.
+
+    The train config (less reporting and saving fields, and the per-rank batch), the
+    global batch and data streams, the model and DeepSpeed configs, the step plan and
+    the data's location.
+    """
+    config = TrainConfig.model_validate(spec["train_config"])
+    # The world size may change between runs (the checkpoint is converted and its rows
+    # re-sharded) as long as the global batch and the data streams stay the same.
+    dropped = (*_NOT_FINGERPRINTED, "world_size", "batch_size", "data_streams")
+    train_config = {k: v for k, v in spec["train_config"].items() if k not in dropped}
+    per_rank = ("train_batch_size", "train_micro_batch_size_per_gpu")
+    ds_config = {k: v for k, v in spec["ds_config"].items() if k not in per_rank}
+    payload = {
+        "train_config": train_config,
+        "global_batch_size": config.global_batch_size(),
+        "data_streams": config.num_data_streams(),
+        "model_config": spec["model_config"],
+        "ds_config": ds_config,
+        "total_steps": spec["total_steps"],
+        "shards_dir": spec["shards_dir"],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _plan_memory(
+    config: TrainConfig,
+    meta: DatasetMeta,
+    model_config: dict[str, Any],
+    accelerator: str,
+    memory_budget: tuple[int, str] | None,
+) -> MemoryPlan:
+    """Estimate per-rank memory and refuse a config that cannot fit (ConfigError)."""
+    num_dense_params = sum(p.numel() for p in build_arch(model_config).parameters())
+    plan = plan_memory(
+        config,
+        meta.table_sizes,
+        len(meta.dense),
+        num_dense_params,
+        config.world_size,
+        accelerator,
+        feature_names=[*meta.sparse_names, *meta.multi_hot_names],
+    )
+    if config.memory_per_rank_gb is not None:
+        budget = int(config.memory_per_rank_gb * 2**30)
+        check_memory(plan, config, budget, "train.memory_per_rank_gb")
+    elif memory_budget is not None:
+        # One machine's memory shared by the ranks: more ranks would not add memory.
+        check_memory(plan, config, *memory_budget, split_over_ranks=accelerator == "cpu")
+    return plan

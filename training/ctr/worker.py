@@ -1,0 +1,577 @@
+"""One DeepSpeed training rank: `python -m training.ctr.worker LAUNCH.json` under the launcher.
+
+Reads the launch spec written by `training.ctr.train` (train config, model config,
+DeepSpeed config, paths, step plan) and the train split of the shard directory.
+Writes, into the spec's `out_dir`:
+
+- `checkpoints/final/`: the DeepSpeed checkpoint of the dense part (every rank writes
+  its part) and, with sharded embeddings, `sparse-rank-RRRRR-of-WWWWW.safetensors`
+  per rank (its rows, their optimizer state and admission counts);
+- `model.safetensors`: consolidated fp32 weights of the whole `CTRModel`, streamed
+  by every rank into one file (`training.runtime.consolidate`), never gathered on one rank;
+- `train_log.jsonl`: one progress record per logging step (rank 0), also printed as
+  `RECFORGE_PROGRESS {...}` lines for the parent to stream;
+- `tensorboard/`: TensorBoard event files (rank 0) when `train.tensorboard` is on;
+- `train_summary.json`: final loss, steps, throughput, time split, memory, and the step
+  the run resumed from (rank 0);
+
+and, with `train.checkpoint_every`, crash-safe resume checkpoints under the spec's
+`checkpoint_root` (see `save_resume_checkpoint`, `training.runtime.checkpoint`): at start the
+ranks continue from the newest valid one, on the same or another world size.
+
+Embeddings: with `train.embeddings: sharded` the table lives in a `ShardedEmbedding`
+(rows sharded over ranks, all-to-all lookups, row-wise sparse optimizer) and
+DeepSpeed wraps only the `CTRArch` (MLPs, interaction, heads, default rows). With
+`dense` the whole `CTRModel` (nn.Embedding inside) is the DeepSpeed module.
+
+Each step's time is split into data (waiting for the reader), lookup (ids to rows,
+both all-to-alls), dense (forward and backward) and optimizer (gradients to the
+owners, the dense step, the sparse step).
+
+Preemption: with resume checkpoints on, SIGTERM does not kill a rank. The ranks agree
+at the next optimizer step (one all-reduce of a flag per step), save a resume checkpoint
+of that step, and exit with `Preempted`, which the parent retries as a crash.
+
+The only environment this process reads is what the launcher sets for
+`deepspeed.init_distributed` (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); the
+chaos tests' fault injection arrives in the spec's `chaos` (`training.ctr.train`'s
+`chaos_settings`).
+Any exception prints one `RECFORGE_ERROR {"rank": r, "error": "..."}` line and exits
+non-zero; the launcher then stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+import torch.nn.functional as F
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from safetensors.torch import load_file, save_file
+
+from data_prep.errors import ConfigError, Preempted
+from training.config import TrainConfig
+from training.ctr.consolidate import TABLE_NAME, table_chunks
+from training.ctr.data import Batch, load_dataset_meta
+from training.ctr.embedding import ShardedEmbedding, init_rows, reshard_state, table_offsets
+from training.ctr.model import build_arch, build_model
+from training.ctr.reader import ShardReader
+from training.ctr.train import PHASES, TRAIN_SPLIT
+from training.runtime.checkpoint import CheckpointStore
+from training.runtime.consolidate import (
+    CHUNK_BYTES,
+    chunk_rows_for,
+    create_file,
+    finish_file,
+    partial_path,
+    plan_layout,
+    write_dense,
+    write_pieces,
+)
+from training.runtime.files import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_TAG,
+    SUMMARY_FILE,
+    TENSORBOARD_DIR,
+    TRAIN_LOG_FILE,
+    WEIGHTS_FILE,
+)
+from training.runtime.launcher import (
+    PROGRESS_PREFIX,
+    RESUME_PREFIX,
+)
+from training.runtime.memory import FP32_BYTES
+from training.runtime.rank import (
+    DENSE_TAG,
+    Preemption,
+    ResumePoint,
+    find_resume_point,
+    rank_main,
+    rank_state_file,
+    rss_bytes,
+    save_resume_checkpoint,
+    seed_everything,
+    set_rng_state,
+    sparse_file,
+)
+
+
+def load_resume_point(
+    point: ResumePoint,
+    engine: deepspeed.DeepSpeedEngine,
+    sparse: ShardedEmbedding | None,
+    reader: ShardReader,
+    num_rows: int,
+    skip_restore: frozenset[str] = frozenset(),
+) -> dict[str, int]:
+    """Every rank: load the dense part, its embedding rows, RNG states and reader position.
+
+    `skip_restore` ("rng", "reader") leaves those out: the chaos tests' negative control.
+
+    Returns:
+        The counters saved with the checkpoint ({"step", "micro_done"}).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    old_world = int(point.meta["world_size"])
+    engine.load_checkpoint(
+        str(point.dense_dir),
+        tag=DENSE_TAG,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if sparse is not None:
+        if old_world == world_size:
+            state = load_file(str(point.path / sparse_file(rank, world_size)))
+        else:  # every old shard holds some of this rank's rows
+            shards = [
+                load_file(str(point.path / sparse_file(r, old_world))) for r in range(old_world)
+            ]
+            state = reshard_state(shards, num_rows, rank, world_size)
+        sparse.load_state_dict(state)
+    # Our own file, its sha256 verified by the store: numpy's RNG state needs pickle. The
+    # reader position is global (every rank takes the same steps), so rank 0's serves any
+    # new rank; a new rank without a file of its own takes rank 0's RNG states.
+    own = point.path / rank_state_file(rank)
+    first = torch.load(point.path / rank_state_file(0), weights_only=False)
+    state = torch.load(own, weights_only=False) if own.is_file() else first
+    if "rng" not in skip_restore:
+        set_rng_state(state["rng"])
+    if "reader" not in skip_restore:
+        reader.restore(first["reader"])
+    counters = {"step": int(point.meta["step"]), "micro_done": int(point.meta["micro_done"])}
+    if rank == 0:
+        record = {**counters, "checkpoint": str(point.path), "from_world_size": old_world}
+        print(RESUME_PREFIX + json.dumps(record), flush=True)
+    return counters
+
+
+class SparseInputs:
+    """A batch's ids mapped onto the unique rows of one sharded lookup.
+
+    Args:
+        batch: The reader's batch.
+        offsets: (F,) start row of each feature in the fused table.
+        store: The rank's embedding shard.
+        with_features: Also compute each row's feature (for admission defaults).
+    """
+
+    def __init__(
+        self, batch: Batch, offsets: torch.Tensor, store: ShardedEmbedding, with_features: bool
+    ) -> None:
+        num_single = batch.sparse.shape[1]
+        single = batch.sparse + offsets[:num_single]  # (B, Fs) global rows
+        multi = [
+            torch.where(ids >= 0, ids + offsets[num_single + i], ids)
+            for i, ids in enumerate(batch.multi_hot)
+        ]
+        valid = [ids[ids >= 0] for ids in multi]
+        flat = torch.cat([single.flatten(), *valid])
+        self.rows, inverse, self.context = store.lookup(flat)
+        self.sparse_index = inverse[: single.numel()].view_as(single)  # (B, Fs)
+        self.multi_index: list[torch.Tensor] = []
+        start = single.numel()
+        for ids, kept in zip(multi, valid, strict=True):
+            index = torch.full_like(ids, -1)  # (B, L)
+            index[ids >= 0] = inverse[start : start + kept.numel()]
+            start += kept.numel()
+            self.multi_index.append(index)
+        self.row_admitted = self.context.admitted if with_features else None
+        self.row_feature = (
+            torch.searchsorted(offsets[1:], self.context.unique_ids, right=True)
+            if with_features
+            else None
+        )
+
+
+def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over tasks of the mean binary cross-entropy, in fp32.
+
+    Args:
+        logits: (B, T) in any float dtype.
+        labels: (B, T) float32 0/1.
+    """
+    return (
+        F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")
+        .mean(dim=0)
+        .sum()
+    )
+
+
+def run(spec: dict[str, Any]) -> None:
+    """Train one rank according to a launch spec.
+
+    Args:
+        spec: The parsed launch.json.
+
+    Raises:
+        ConfigError: The launcher started a different number of ranks than configured.
+    """
+    config = TrainConfig.model_validate(spec["train_config"])
+    model_config = spec["model_config"]
+    shards_dir = Path(spec["shards_dir"])
+    out_dir = Path(spec["out_dir"])
+    total_steps = int(spec["total_steps"])
+    seed_everything(config.seed)
+
+    deepspeed.init_distributed(dist_backend=spec.get("backend", "gloo"))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size != config.world_size:
+        raise ConfigError(
+            f"train.world_size={config.world_size} but the launcher started {world_size} ranks"
+        )
+
+    meta = load_dataset_meta(shards_dir)
+    table_sizes = list(model_config["table_sizes"])
+    store: ShardedEmbedding | None = None
+    if config.embeddings == "sharded":
+        module = build_arch(model_config)
+        # The table lives outside DeepSpeed; on GPUs its all-to-alls use a gloo group,
+        # since the rows stay in host memory (the parameter-server layout).
+        group = None
+        if spec.get("backend", "gloo") != "gloo" and world_size > 1:
+            group = torch.distributed.new_group(backend="gloo")
+        store = ShardedEmbedding(
+            table_sizes,
+            config.embedding_dim,
+            config.sparse_optimizer,
+            config.sparse_lr,
+            config.admission_min_count,
+            config.seed,
+            rank,
+            world_size,
+            group,
+            config.sparse_weight_decay,
+        )
+    else:
+        module = build_model(model_config)
+        module.embedding.weight.data = init_rows(table_sizes, config.embedding_dim, config.seed)
+    ds_config = spec["ds_config"]
+    resume_store, resume_point, preemption = None, None, None
+    if config.checkpoint_every:
+        resume_store = CheckpointStore(
+            Path(spec["checkpoint_root"]), keep=config.keep_checkpoints, log=print
+        )
+        resume_point = find_resume_point(
+            resume_store, spec["config_fingerprint"], config.zero_stage
+        )
+        if resume_point is not None and resume_point.universal:
+            ds_config = {**ds_config, "checkpoint": {"load_universal": True}}
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, model_parameters=module.parameters(), config=ds_config
+    )
+    if resume_store is not None:
+        preemption = Preemption(engine.device)
+    # Half-precision engines hold half weights: the dense input must match them.
+    input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        config.precision, torch.float32
+    )
+    offsets = table_offsets(table_sizes)
+    with_features = config.admission_min_count >= 2
+
+    reader = ShardReader(
+        shards_dir,
+        meta,
+        TRAIN_SPLIT,
+        rank,
+        world_size,
+        config.batch_size,
+        config.num_data_streams(),
+        tasks=model_config["tasks"],
+        prefetch=config.prefetch_batches,
+    )
+    micro_total = total_steps * config.grad_accum_steps
+    samples_per_micro = config.batch_size * world_size
+    writer = _tensorboard(out_dir, config) if rank == 0 else None
+    log_file = (out_dir / TRAIN_LOG_FILE).open("a") if rank == 0 else None
+
+    window = torch.zeros(2 + len(PHASES), dtype=torch.float64)  # loss, micro steps, phases
+    totals = dict.fromkeys(PHASES, 0.0)
+    final_loss = float("nan")
+    rows_updated = 0
+    micro_done = step = 0
+    resumed = None
+    if resume_point is not None:
+        skip = frozenset(spec.get("chaos", {}).get("skip_restore", []))
+        resumed = load_resume_point(resume_point, engine, store, reader, sum(table_sizes), skip)
+        step, micro_done = resumed["step"], resumed["micro_done"]
+    engine.train()
+    started = window_started = time.monotonic()
+    batches = iter(reader)
+    try:
+        while micro_done < micro_total:
+            t0 = time.perf_counter()
+            batch = next(batches)
+            t1 = time.perf_counter()
+            dense = batch.dense.to(engine.device, dtype=input_dtype)
+            labels = batch.labels.to(engine.device)
+            if store is not None:
+                inputs = SparseInputs(batch, offsets, store, with_features)
+                device = engine.device
+                t2 = time.perf_counter()
+                logits = engine(
+                    inputs.rows.to(device),
+                    inputs.sparse_index.to(device),
+                    dense,
+                    [index.to(device) for index in inputs.multi_index],
+                    None if inputs.row_admitted is None else inputs.row_admitted.to(device),
+                    None if inputs.row_feature is None else inputs.row_feature.to(device),
+                )  # (B, T)
+            else:
+                t2 = time.perf_counter()
+                multi_hot = [ids.to(engine.device) for ids in batch.multi_hot]
+                logits = engine(batch.sparse.to(engine.device), dense, *multi_hot)
+            loss = task_loss(logits, labels)
+            engine.backward(loss)
+            t3 = time.perf_counter()
+            boundary = engine.is_gradient_accumulation_boundary()
+            scale = _loss_scale(engine, config)  # before step(): the step may change it
+            if store is not None:
+                store.accumulate_gradients(inputs.rows.grad, inputs.context)
+            engine.step()
+            if store is not None and boundary:
+                if engine.was_step_applied():
+                    rows_updated += store.step(grad_scale=scale)
+                else:  # fp16 overflow: DeepSpeed skipped the dense step; skip ours too
+                    store.discard_gradients()
+            t4 = time.perf_counter()
+            window += torch.tensor(
+                [float(loss.detach()), 1.0, t1 - t0, t2 - t1, t3 - t2, t4 - t3], dtype=torch.float64
+            )
+            micro_done += 1
+            if micro_done % config.grad_accum_steps:
+                continue
+            step += 1
+            stop = preemption is not None and preemption.agreed()
+            if resume_store is not None and (step % config.checkpoint_every == 0 or stop):
+                if step < total_steps:  # the final state is saved below anyway
+                    counters = {"step": step, "micro_done": micro_done}
+                    save_resume_checkpoint(
+                        resume_store,
+                        engine,
+                        store,
+                        reader,
+                        counters,
+                        spec["config_fingerprint"],
+                        spec.get("chaos", {}).get("checkpoint_fault", ""),
+                    )
+                    if stop:
+                        raise Preempted(
+                            f"stopped by SIGTERM after step {step}; its resume checkpoint is "
+                            f"committed under {resume_store.root}"
+                        )
+            if step % config.log_every and step != total_steps:
+                continue
+            # Every rank reaches these collectives at the same step: same step counts.
+            summed = window.clone()
+            dist.all_reduce(summed)
+            memory = torch.zeros(world_size, dtype=torch.float64)
+            memory[rank] = rss_bytes() / 2**20
+            dist.all_reduce(memory)
+            now = time.monotonic()
+            micro = float(summed[1]) / world_size
+            final_loss = float(summed[0] / summed[1])
+            phase_ms = {
+                name: 1000.0 * float(summed[2 + i]) / float(summed[1]) * config.grad_accum_steps
+                for i, name in enumerate(PHASES)
+            }
+            for name in PHASES:
+                totals[name] += phase_ms[name] * micro / config.grad_accum_steps
+            record = {
+                "step": step,
+                "total_steps": total_steps,
+                "loss": final_loss,
+                "samples_per_s": micro * samples_per_micro / max(now - window_started, 1e-9),
+                "epoch": micro_done / reader.steps_per_epoch,
+                "step_ms": phase_ms,
+                "rss_mb": [round(float(m), 1) for m in memory],
+            }
+            if log_file is not None:
+                print(PROGRESS_PREFIX + json.dumps(record), flush=True)
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+            if writer is not None:
+                _write_scalars(writer, record)
+            window.zero_()
+            window_started = now
+    finally:
+        reader.close()
+    seconds = time.monotonic() - started
+
+    checkpoint_dir = out_dir / CHECKPOINT_DIR
+    engine.save_checkpoint(
+        str(checkpoint_dir),
+        tag=CHECKPOINT_TAG,
+        client_state={
+            "train_config": spec["train_config"],
+            "model_config": model_config,
+            "reader_position": reader.position(),
+        },
+    )
+    if store is not None:
+        save_file(
+            {name: t.contiguous() for name, t in store.state_dict().items()},
+            str(checkpoint_dir / CHECKPOINT_TAG / sparse_file(rank, world_size)),
+        )
+    dist.barrier()  # every rank's checkpoint part is on disk
+    _write_weights(
+        engine,
+        checkpoint_dir / CHECKPOINT_TAG,
+        out_dir / WEIGHTS_FILE,
+        config,
+        table_sizes if store is not None else None,
+        rank,
+        world_size,
+        spec.get("chaos", {}).get("consolidation_chunk_rows"),
+    )
+    if rank == 0:
+        samples = micro_done * samples_per_micro
+        summary = {
+            "final_loss": final_loss,
+            "steps": step,
+            "micro_steps": micro_done,
+            "samples": samples,
+            "samples_per_s": samples / max(seconds, 1e-9),
+            "seconds": seconds,
+            "world_size": world_size,
+            "embeddings": config.embeddings,
+            "step_ms": {name: totals[name] / max(step, 1) for name in PHASES},
+            "sparse_rows_updated_rank0": rows_updated,
+            "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "reader_position": reader.position(),
+            "resumed_from_step": None if resumed is None else resumed["step"],
+        }
+        (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    if log_file is not None:
+        log_file.close()
+    if writer is not None:
+        writer.close()
+    dist.barrier()  # rank 0's files are written before any rank reports success
+
+
+def _loss_scale(engine: deepspeed.DeepSpeedEngine, config: TrainConfig) -> float:
+    """The factor engine.backward multiplied the loss by (fp16 loss scaling), else 1."""
+    if config.precision != "fp16":
+        return 1.0
+    return float(engine.optimizer.loss_scale)
+
+
+def _tensorboard(out_dir: Path, config: TrainConfig) -> Any:
+    if not config.tensorboard:
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # imported only when used
+
+    return SummaryWriter(log_dir=str(out_dir / TENSORBOARD_DIR))
+
+
+def _write_scalars(writer: Any, record: dict[str, Any]) -> None:
+    step = record["step"]
+    writer.add_scalar("train/loss", record["loss"], step)
+    writer.add_scalar("train/samples_per_s", record["samples_per_s"], step)
+    for name, value in record["step_ms"].items():
+        writer.add_scalar(f"step_ms/{name}", value, step)
+    for rank, value in enumerate(record["rss_mb"]):
+        writer.add_scalar(f"memory_rss_mb/rank{rank}", value, step)
+    writer.flush()
+
+
+def _write_weights(
+    engine: deepspeed.DeepSpeedEngine,
+    tag_dir: Path,
+    path: Path,
+    config: TrainConfig,
+    table_sizes: list[int] | None,
+    rank: int,
+    world_size: int,
+    chunk_rows: int | None = None,
+) -> None:
+    """Every rank: consolidate the checkpoint into `path` (fp32 `CTRModel` weights).
+
+    Streams (`training.runtime.consolidate`): rank 0 plans the file and writes the dense
+    tensors one at a time; with sharded embeddings (`table_sizes` given) every rank
+    writes every W-th chunk of the table, read as row slices of the shard files, so no
+    rank holds the table. Rows never admitted by frequency admission take their
+    feature's default row, which is what training fed the model for them. `chunk_rows`
+    (the chaos tests') overrides the 64 MiB chunks.
+    """
+    dense: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    default_rows: torch.Tensor | None = None
+    if rank == 0:
+        state = _fp32_state_dict(engine, tag_dir.parent, config.zero_stage)
+        if table_sizes is not None:
+            state = {f"arch.{name}": tensor for name, tensor in state.items()}
+            shapes[TABLE_NAME] = (sum(table_sizes), config.embedding_dim)
+            rows = state["arch.default_rows"]  # (F, D), small
+            default_rows = (rows if isinstance(rows, torch.Tensor) else rows.contiguous()).float()
+        dense = state
+        shapes.update({name: tuple(tensor.shape) for name, tensor in dense.items()})
+    shared: list[Any] = [shapes, default_rows]
+    dist.broadcast_object_list(shared, src=0)
+    shapes, default_rows = shared
+    layout = plan_layout(shapes)
+    if rank == 0:
+        create_file(path, layout)
+    dist.barrier()  # the file exists at its full size
+    with open(partial_path(path), "r+b") as file:
+        if table_sizes is not None:
+            shard_files = [tag_dir / sparse_file(r, world_size) for r in range(world_size)]
+            chunks = table_chunks(
+                shard_files,
+                table_sizes,
+                default_rows,
+                config.admission_min_count,
+                rank,
+                world_size,
+                chunk_rows or chunk_rows_for(config.embedding_dim),
+            )
+            write_pieces(file, layout, TABLE_NAME, chunks)
+        if rank == 0:
+            write_dense(file, layout, dense, CHUNK_BYTES // FP32_BYTES)
+    dist.barrier()  # every rank's ranges are written
+    if rank == 0:
+        finish_file(path, layout)
+
+
+def _fp32_state_dict(
+    engine: deepspeed.DeepSpeedEngine, checkpoint_dir: Path, zero_stage: int
+) -> dict[str, Any]:
+    """The model's fp32 weights: the optimizer's fp32 master copies where there are any.
+
+    ZeRO 1-2 consolidate the ranks' master partitions from the checkpoint; ZeRO 3's are
+    returned lazily (DeepSpeed's `GatheredTensor`, streamed by `training.runtime.consolidate`
+    from the memory-mapped partitions without being assembled). Stage 0
+    reads the module; with bf16 its weights are bf16, so they are replaced by the fp32
+    masters of DeepSpeed's bf16 wrapper (FP16_UnfusedOptimizer: `fp16_groups` holds the
+    module's parameters, `fp32_groups` their masters, in the same order). Should a
+    DeepSpeed version hold them elsewhere, the bf16 weights are saved upcast.
+    """
+    if zero_stage > 0:
+        return get_fp32_state_dict_from_zero_checkpoint(
+            str(checkpoint_dir), tag=CHECKPOINT_TAG, lazy_mode=zero_stage == 3
+        )
+    state = {name: tensor.detach().cpu() for name, tensor in engine.module.state_dict().items()}
+    low_groups = getattr(engine.optimizer, "fp16_groups", None)
+    master_groups = getattr(engine.optimizer, "fp32_groups", None)
+    if low_groups is None or master_groups is None:
+        return state
+    names = {id(param): name for name, param in engine.module.named_parameters()}
+    for low_group, master_group in zip(low_groups, master_groups, strict=True):
+        for low, master in zip(low_group, master_group, strict=True):
+            state[names[id(low)]] = master.detach().cpu()
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: `python -m training.ctr.worker LAUNCH.json` (other launcher args ignored)."""
+    return rank_main("training.ctr.worker", lambda path: run(json.loads(path.read_text())), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""What every DeepSpeed rank does whatever it trains: the entry point, seeding and RNG
+state, preemption on SIGTERM, and crash-safe resume checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import deepspeed
+import deepspeed.comm as dist
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from data_prep.errors import ConfigError
+from training.runtime.checkpoint import FAULT_POINTS, MANIFEST, CheckpointStore, fsync_tree
+from training.runtime.launcher import (
+    CHAOS_CHECKPOINT_FAULT,
+    ERROR_PREFIX,
+)
+
+
+class RankShard(Protocol):
+    """A rank's own part of a sharded parameter (the CTR embedding rows and their state)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+
+class ResumableReader(Protocol):
+    """A data reader that can report where it is, for a resume checkpoint."""
+
+    def position(self) -> dict[str, Any]: ...
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch; every rank uses the same seed, so the same init."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# DeepSpeed's tag inside a resume checkpoint (the store names the checkpoint by step).
+DENSE_TAG = "dense"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's python, numpy and torch random states."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore `rng_state()`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+MID_FILE = "mid-file"
+
+
+def chaos_fault(step: int, setting: str) -> Callable[[str], None] | None:
+    """Rank 0's fault hook for the checkpoint of `step` per `CHAOS_CHECKPOINT_FAULT`.
+
+    Args:
+        step: The step being saved.
+        setting: "POINT@STEP" (see `CHAOS_CHECKPOINT_FAULT`), or "" for none.
+    """
+    if not setting or dist.get_rank() != 0:
+        return None
+    point, _, at = setting.partition("@")
+    if point not in (MID_FILE, *FAULT_POINTS) or not at.isdigit():
+        raise ConfigError(
+            f"{CHAOS_CHECKPOINT_FAULT}={setting!r}: expected POINT@STEP with POINT one of "
+            f"{[MID_FILE, *FAULT_POINTS]}"
+        )
+    if int(at) != step:
+        return None
+
+    def die(name: str) -> None:
+        if name == point:
+            # The whole launch, as a node failure would: the peers must not commit.
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    return die
+
+
+class Preemption:
+    """SIGTERM as a request to checkpoint and stop at the next optimizer step.
+
+    Installing it replaces the default SIGTERM action (exit at once) of this process.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.requested = False
+        self._device = device
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """Every rank, at the same step: whether any rank has been asked to stop."""
+        flag = torch.tensor([float(self.requested)], device=self._device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def rank_state_file(rank: int) -> str:
+    """File of one rank's RNG states and reader position in a resume checkpoint."""
+    return f"rank-{rank:05d}.pt"
+
+
+def save_resume_checkpoint(
+    store: CheckpointStore,
+    engine: deepspeed.DeepSpeedEngine,
+    sparse: RankShard | None,
+    reader: ResumableReader | None,
+    counters: dict[str, int],
+    fingerprint: str,
+    fault_setting: str = "",
+) -> None:
+    """Every rank: write its part of a crash-safe checkpoint; rank 0 commits it.
+
+    Layout: DeepSpeed's checkpoint under tag `dense` (a pipeline engine's: its layer
+    files), one embedding shard (with `sparse`) and one `rank-RRRRR.pt` (RNG states, and
+    the reader position with `reader`) per rank, and the store's manifest
+    (sha256 of every file) whose meta holds the step counters and the config
+    fingerprint. Nothing is visible to a resume until rank 0's commit renames it.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    step = counters["step"]
+    if rank == 0:
+        store.prepare(step)
+    dist.barrier()  # the staging directory exists (and stale files are gone)
+    staging = store.staging_dir(step)
+    engine.save_checkpoint(str(staging), tag=DENSE_TAG)
+    fault = chaos_fault(step, fault_setting)
+    if fault is not None:
+        fault(MID_FILE)
+        store = store.with_fault(fault)
+    written = [staging / rank_state_file(rank)]
+    rank_state = {"rng": rng_state()}
+    if reader is not None:
+        rank_state["reader"] = reader.position()
+    torch.save(rank_state, written[0])
+    if sparse is not None:
+        written.append(staging / sparse_file(rank, world_size))
+        save_file({n: t.contiguous() for n, t in sparse.state_dict().items()}, str(written[-1]))
+    fsync_tree(written)  # rank 0's commit fsyncs the rest; this rank's files may be elsewhere
+    dist.barrier()  # every rank's part is on disk
+    if rank == 0:
+        store.commit(step, {**counters, "world_size": world_size, "fingerprint": fingerprint})
+    dist.barrier()  # committed before anyone goes on (or dies)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run continues from.
+
+    Attributes:
+        path: The committed checkpoint directory.
+        meta: Its manifest's meta (step counters, world_size, fingerprint).
+        dense_dir: Where DeepSpeed loads the dense part from (`path`, or the universal
+            conversion when the world size changed under ZeRO 1-2), under tag `dense`.
+        universal: Whether `dense_dir` is a universal checkpoint.
+    """
+
+    path: Path
+    meta: dict[str, Any]
+    dense_dir: Path
+    universal: bool
+
+
+def find_resume_point(
+    store: CheckpointStore, fingerprint: str, zero_stage: int, convertible: bool = True
+) -> ResumePoint | None:
+    """Every rank: the newest valid checkpoint of this run, prepared for this world size.
+
+    Rank 0 picks it (verifying every file's sha256, falling back past a partial or
+    corrupt one with a log line) and tells the others its step. A checkpoint of another
+    world size is resumable: under ZeRO 1-2 rank 0 converts its dense part into
+    DeepSpeed's universal format once (next to the checkpoints, published by rename);
+    the embedding rows are re-sharded when loaded. With `convertible` False (pipeline
+    runs, whose layer files are per stage), only the world size that wrote it resumes.
+
+    Returns:
+        The resume point, or None for a fresh start.
+
+    Raises:
+        ConfigError: The checkpoint was written by another config, or with another world
+            size under ZeRO-3 (no conversion).
+        CheckpointCorrupt: Checkpoints exist but none is valid (never a silent restart).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    chosen = torch.tensor([-1], dtype=torch.int64)
+    if rank == 0:
+        latest = store.latest_valid(strict=True)
+        if latest is not None:
+            chosen[0] = latest.step
+    dist.broadcast(chosen, src=0)
+    if int(chosen[0]) < 0:
+        return None
+    path = store.checkpoint_dir(int(chosen[0]))
+    meta = json.loads((path / MANIFEST).read_text())["meta"]
+    if meta.get("fingerprint") != fingerprint:
+        raise ConfigError(
+            f"{path} was written by another train config (or data); resuming it would mix "
+            "two runs. Restore the config it was written with, or delete "
+            f"{store.root} to start this config from scratch"
+        )
+    if not convertible and meta["world_size"] != world_size:
+        raise ConfigError(
+            f"{path} was written by {meta['world_size']} pipeline ranks and this run has "
+            f"{world_size}: pipeline checkpoints resume on the world size and stage count "
+            f"that wrote them; set train.world_size={meta['world_size']}, or delete "
+            f"{store.root} to start over"
+        )
+    if meta["world_size"] == world_size or zero_stage == 0:
+        # ZeRO-0 keeps the whole optimizer state in one file: any world size loads it.
+        return ResumePoint(path, meta, path, universal=False)
+    if zero_stage == 3:
+        raise ConfigError(
+            f"{path} was written by {meta['world_size']} ranks with ZeRO-3, and this run has "
+            f"{world_size}: ZeRO-3 checkpoints are not converted; resume with world_size="
+            f"{meta['world_size']}, or use ZeRO 0-2"
+        )
+    universal = store.root / "universal" / path.name
+    if rank == 0 and not universal.is_dir():
+        _convert_to_universal(path / DENSE_TAG, universal)
+    dist.barrier()  # the conversion is published
+    return ResumePoint(path, meta, universal, universal=True)
+
+
+def _convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
+    """DeepSpeed's ds_to_universal into a staging directory, published by rename."""
+    staging = out_dir.with_name(out_dir.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    command = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(tag_dir),
+        "--output_folder",
+        str(staging / DENSE_TAG),
+        # Our model has no Megatron metadata: DeepSpeed fills in the defaults.
+        "--inject_missing_state",
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ConfigError(
+            f"converting {tag_dir} to a universal checkpoint failed (exit {result.returncode}):"
+            f" {result.stderr[-1500:]}; resume with the world size that wrote it"
+        )
+    fsync_tree(staging)
+    os.replace(staging, out_dir)
+
+
+def sparse_file(rank: int, world_size: int) -> str:
+    """File name of one rank's embedding shard in a checkpoint."""
+    return f"sparse-rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc), or its peak elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * resource.getpagesize()
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rank_main(module: str, run_rank: Callable[[Path], None], argv: list[str] | None) -> int:
+    """Shared entry point of the rank modules: `python -m MODULE SPEC.json`.
+
+    Other launcher arguments (`--local_rank=...`) are ignored. Any exception prints one
+    `RECFORGE_ERROR {"rank": r, "error": "..."}` line, so the parent can name the root
+    cause among the other ranks' follow-on errors (a peer's closed connection), and is
+    raised again.
+
+    Args:
+        module: The module name, for the usage message.
+        run_rank: Runs one rank from the spec file's path.
+        argv: Command-line arguments; default sys.argv[1:].
+
+    Returns:
+        0 on success.
+    """
+    args = sys.argv[1:] if argv is None else argv
+    spec_args = [arg for arg in args if arg.endswith(".json")]
+    if len(spec_args) != 1:
+        raise SystemExit(f"usage: python -m {module} SPEC.json (got {args})")
+    try:
+        run_rank(Path(spec_args[0]))
+    except Exception as error:
+        rank = dist.get_rank() if dist.is_initialized() else None
+        report = {"rank": rank, "error": f"{type(error).__name__}: {error}"[:2000]}
+        # One write(2) of the whole line: the ranks share the pipe, and print's separate
+        # write of the newline lets two ranks' reports run into one unparsable line.
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), (ERROR_PREFIX + json.dumps(report) + "\n").encode())
+        raise
+    return 0

@@ -1,0 +1,431 @@
+"""Evaluate stage for the sequence models: leave-one-out ranking against a popularity baseline.
+
+Reads `<train_dir>/model_config.json` and `model.safetensors` (a SASRec or a BST), and
+`<sequences_dir>/<split>.parquet` (`user`, `history`, `target`, `seen`) and
+`train_item_counts.npy` from preprocess's `sequences/` (see `data_prep.sequences`).
+Writes `<out_dir>/metrics.json`:
+
+- `hr@K_sampled`, `ndcg@K_sampled`, `mrr_sampled`: protocol (a), the target against
+  `num_negatives` items sampled uniformly from those the user never interacted with
+  (seeded: the same negatives every run);
+- `hr@K_full`, `ndcg@K_full`, `mrr_full`: protocol (b), against every item, the user's
+  other items masked;
+- the same keys prefixed `popularity/`: the popularity baseline (train interaction
+  counts) ranked in the same run against the same negatives;
+- `split`, `num_users` (rows ranked), `dropped_oov_targets` (rows whose target item is
+  out of vocabulary, index 0: no model can rank it, so they are not counted).
+
+The model scores in fp32. SASRec: the user's state is the hidden state at the last
+position of its (left-padded) history, and an item's score its dot product with the
+tied item table. BST: each candidate is appended to the history and scored by its own
+Transformer pass, so only protocol (a) runs (full ranking would take one pass per item
+and user). Ties are pessimistic (see `training.sequence.ranking`).
+
+The rows (in-vocabulary targets, in file order) are ranked in blocks of
+`evaluate.ranking_block_users`: a block's histories are encoded and its candidates
+scored together, and a row's negatives are keyed by its row number, so a row's ranks
+depend only on the block it is in. Ranks: with `evaluate.workers` = P > 1 and a split
+of B > 1 blocks, min(P, B) ranks rank the split (more would idle: lower
+`evaluate.ranking_block_users` to use more), run as
+`python -m training.sequence.evaluate_worker` by DeepSpeed's launcher in one gloo
+process group, as the CTR evaluate does (`training.ctr.evaluate`). Rank r takes a
+contiguous run of whole blocks (`_rank_blocks`), so every block is computed exactly as
+in one process; rank 0 gathers the ranks' per-row target ranks (model and popularity,
+each protocol) and concatenates them in rank order, which is row order, and this
+process computes the metrics from them by the same code as for one process: the
+metrics are bit-equal to one process's. The launch spec (`ranks/launch.json`) and the
+launcher's output (`ranks/launcher.log`) stay in `out_dir`; nothing is written to
+metrics.json unless every rank finished. `evaluate.workers` = 1, or a split of one
+block, ranks in this process without a launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from data_prep.errors import InputNotFoundError, SchemaError, TransientError
+from training.config import EvaluateConfig
+from training.runtime.files import MODEL_CONFIG_FILE, RANKS_DIR
+from training.runtime.launcher import (
+    EVALUATE_RANK_ERRORS,
+    evaluate_chaos_settings,
+    free_port,
+    launch_evaluate_ranks,
+    launcher_env,
+)
+from training.sequence.bst import BST, score_candidates
+from training.sequence.export import load_sequence_model, pad_histories
+from training.sequence.ranking import (
+    ScoreFn,
+    TooFewNegativesError,
+    metrics_from_ranks,
+    popularity_scores,
+    rank_targets,
+)
+from training.sequence.sasrec import SASRec
+
+METRICS_FILE = "metrics.json"
+ITEM_COUNTS_FILE = "train_item_counts.npy"
+BASELINE_PREFIX = "popularity/"
+# Histories encoded per forward pass when computing the users' states.
+_ENCODE_BATCH = 256
+# Rank 0's merged per-row ranks (an .npz: arrays only, loaded without pickle).
+_RESULT_FILE = "ranks.npz"
+_WORKER_MODULE = "training.sequence.evaluate_worker"
+# The sampler's "too few negatives" is as deterministic as the CTR ranks' errors.
+_RANK_ERRORS: dict[str, type[Exception]] = {
+    **EVALUATE_RANK_ERRORS,
+    "TooFewNegativesError": TooFewNegativesError,
+}
+
+
+@dataclass(frozen=True)
+class SequenceEvaluateResult:
+    """Ranking metrics of a sequence model and the popularity baseline on one split.
+
+    Attributes:
+        metrics_path: The written metrics.json.
+        metrics: Everything metrics.json holds.
+        num_users: Evaluation rows ranked.
+    """
+
+    metrics_path: Path
+    metrics: dict[str, float | int | str]
+    num_users: int
+
+
+def user_states(model: SASRec, histories: torch.Tensor, batch: int = _ENCODE_BATCH) -> np.ndarray:
+    """The hidden state at the last position of each history, in fp32.
+
+    Args:
+        model: The trained model (eval mode).
+        histories: (U, L) int64, left-padded with 0.
+        batch: Histories per forward pass.
+
+    Returns:
+        (U, D) float32.
+    """
+    states = []
+    with torch.no_grad():
+        for start in range(0, len(histories), batch):
+            states.append(model(histories[start : start + batch])[:, -1].float())  # (b, D)
+    return torch.cat(states).numpy()
+
+
+def model_scores(states: np.ndarray, table: np.ndarray, first_row: int = 0) -> ScoreFn:
+    """score_fn of the model for `training.sequence.ranking`: users are row numbers; row
+    `first_row + i` is `states[i]`.
+
+    Args:
+        states: (U, D) float32 user states.
+        table: (V, D) float32 item table.
+        first_row: The row number of states[0] (a rank's first row).
+
+    Returns:
+        score_fn(rows (b,), candidates (b, C)) -> (b, C) float32 dot products.
+    """
+
+    def score_fn(rows: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        users = states[rows - first_row]  # (b, D)
+        if candidates.strides[0] == 0:
+            # Full ranking hands one row broadcast to every user: one matmul, no gather.
+            return users @ table[candidates[0]].T  # (b, C)
+        return np.einsum("bd,bcd->bc", users, table[candidates])  # (b, C)
+
+    return score_fn
+
+
+def bst_scores(model: BST, histories: torch.Tensor, first_row: int = 0) -> ScoreFn:
+    """score_fn of a BST: users are row numbers; row `first_row + i` is `histories[i]`.
+
+    Args:
+        model: The trained BST (eval mode).
+        histories: (U, L) int64, left-padded with 0.
+        first_row: The row number of histories[0] (a rank's first row).
+
+    Returns:
+        score_fn(rows (b,), candidates (b, C)) -> (b, C) float32 logits.
+    """
+
+    def score_fn(rows: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            logits = score_candidates(
+                model, histories[torch.from_numpy(rows - first_row)], torch.from_numpy(candidates)
+            )  # (b, C)
+        return logits.float().numpy()
+
+    return score_fn
+
+
+def evaluate_sequence_model(
+    config: EvaluateConfig,
+    train_dir: Path,
+    sequences_dir: Path,
+    out_dir: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    master_port: int | None = None,
+    python: str = sys.executable,
+    on_log: Callable[[str], None] | None = None,
+) -> SequenceEvaluateResult:
+    """Rank every evaluation row's target with the model and with popularity.
+
+    With `config.workers` > 1 the rows are ranked by up to that many DeepSpeed ranks
+    (gloo), each taking a contiguous run of whole ranking blocks; their per-row ranks
+    are concatenated in row order, which gives exactly the metrics of one process (see
+    the module docstring).
+
+    Args:
+        config: The evaluate config (split, ks, num_negatives, negatives_seed,
+            full_ranking, ranking_block_users, workers).
+        train_dir: The train stage's output (a SASRec or a BST).
+        sequences_dir: Preprocess's `sequences/` directory.
+        out_dir: Where metrics.json goes; created if missing.
+        env: The launcher's environment, built by the caller (this library reads none);
+            DS_ACCELERATOR=cpu is added (evaluate ranks on CPU). None: the launcher
+            inherits this process's environment as it is. Only used with ranks.
+        master_port: A free TCP port for the ranks' rendezvous; None picks one.
+        python: The interpreter that runs the launcher.
+        on_log: Called with every output line of the launcher and the ranks.
+
+    Returns:
+        The metrics.
+
+    Raises:
+        InputNotFoundError: A model file, the split's sequences or the item counts are
+            missing.
+        SchemaError: No row has an in-vocabulary target, or the item counts do not fit
+            the model.
+        TooFewNegativesError: A user has interacted with almost every item.
+        TransientError: A rank died (killed, or out of memory) or the launcher failed.
+
+    A rank's InputNotFoundError, SchemaError, ConfigError, ValueError or
+    TooFewNegativesError comes back as the same type, its message prefixed with the rank.
+    """
+    inputs = _load_inputs(config, Path(train_dir), Path(sequences_dir))
+    num_rows, dropped = len(inputs.targets), inputs.dropped
+    num_blocks = -(-num_rows // config.ranking_block_users)
+    out_dir = Path(out_dir)
+    world_size = min(config.workers, num_blocks)
+    if world_size == 1:
+        ranks = _rank_rows(inputs, config, 0, num_rows)
+    else:
+        del inputs  # every rank loads its own copy
+        launch_env = launcher_env(env, "cpu") if env is not None else None
+        ranks = _rank_in_ranks(
+            config,
+            Path(train_dir),
+            Path(sequences_dir),
+            num_rows,
+            world_size,
+            out_dir / RANKS_DIR,
+            launch_env,
+            master_port if master_port is not None else free_port(),
+            python,
+            on_log,
+            chaos=evaluate_chaos_settings(env or {}),
+        )
+    # The same metrics code on the same (U,) ranks in row order, whoever ranked them.
+    ours = metrics_from_ranks(ranks["sampled"], config.ks, "sampled")
+    baseline = metrics_from_ranks(ranks[BASELINE_PREFIX + "sampled"], config.ks, "sampled")
+    if "full" in ranks:
+        ours |= metrics_from_ranks(ranks["full"], config.ks, "full")
+        baseline |= metrics_from_ranks(ranks[BASELINE_PREFIX + "full"], config.ks, "full")
+    metrics: dict[str, float | int | str] = {
+        "split": config.split,
+        "num_users": num_rows,
+        "dropped_oov_targets": dropped,
+        **ours,
+        **{BASELINE_PREFIX + key: value for key, value in baseline.items()},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = out_dir / METRICS_FILE
+    metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    return SequenceEvaluateResult(metrics_path=metrics_path, metrics=metrics, num_users=num_rows)
+
+
+@dataclass(frozen=True)
+class _SplitInputs:
+    """What ranking the split's rows needs, loaded and checked (`_load_inputs`)."""
+
+    kind: str  # "sasrec" or "bst"
+    model: SASRec | BST
+    max_length: int  # L, histories are left-padded to it
+    num_items: int  # V, padding index 0 included
+    targets: np.ndarray  # (U,) int64 in-vocabulary targets, in file order
+    histories: list[list[int]]  # U histories, oldest item first
+    seen: list[np.ndarray]  # U arrays of the user's items (untruncated)
+    counts: np.ndarray  # (V,) train interactions per item
+    dropped: int  # rows left out for an out-of-vocabulary target
+
+
+def _load_inputs(config: EvaluateConfig, train_dir: Path, sequences_dir: Path) -> _SplitInputs:
+    """Load the model, the split's rows with in-vocabulary targets and the item counts.
+
+    Raises:
+        InputNotFoundError: A model file, the split's sequences or the item counts are
+            missing.
+        SchemaError: No row has an in-vocabulary target, or the counts do not fit the model.
+    """
+    config_path = train_dir / MODEL_CONFIG_FILE
+    if not config_path.is_file():
+        raise InputNotFoundError(f"{config_path} does not exist; run the train stage first")
+    kind = "bst" if json.loads(config_path.read_text()).get("model") == "bst" else "sasrec"
+    model, model_config = load_sequence_model(train_dir, kind=kind)
+    split_path = sequences_dir / f"{config.split}.parquet"
+    counts_path = sequences_dir / ITEM_COUNTS_FILE
+    for path in (split_path, counts_path):
+        if not path.is_file():
+            raise InputNotFoundError(
+                f"{path} does not exist; rerun preprocess with preprocess.sequence_length set"
+            )
+    table = pq.read_table(split_path, columns=["history", "target", "seen"])
+    targets = table.column("target").to_numpy()
+    kept = np.flatnonzero(targets != 0)
+    if len(kept) == 0:
+        raise SchemaError(
+            f"{split_path}: all {len(targets)} targets are out of vocabulary (item 0); "
+            "lower the item field's min_count so test items get indices"
+        )
+    table = table.take(kept)
+    num_items = int(model_config["num_items"])
+    counts = np.load(counts_path)
+    if counts.shape != (num_items,):
+        raise SchemaError(
+            f"{counts_path} has {counts.shape} counts but the model has {num_items} items; "
+            "the train and preprocess outputs are from different runs"
+        )
+    return _SplitInputs(
+        kind=kind,
+        model=model,
+        max_length=int(model_config["max_length"]),
+        num_items=num_items,
+        targets=targets[kept].astype(np.int64, copy=False),
+        histories=table.column("history").to_pylist(),
+        seen=[np.asarray(items, dtype=np.int64) for items in table.column("seen").to_pylist()],
+        counts=counts,
+        dropped=len(targets) - len(kept),
+    )
+
+
+def _rank_blocks(num_rows: int, block_users: int, rank: int, world_size: int) -> range:
+    """Rank `rank`'s rows: a contiguous run of whole blocks of `block_users` rows.
+
+    Whole blocks, because a row's state and scores are computed with the rest of its
+    block (a GEMM's result for a row may depend on the rows around it), so a row ranked
+    in its one-process block gets its one-process ranks. Contiguous, so concatenating
+    the ranks' rows in rank order is row order. Ranks get floor or ceil of B / P blocks.
+    """
+    num_blocks = -(-num_rows // block_users)
+    first = rank * num_blocks // world_size
+    last = (rank + 1) * num_blocks // world_size
+    return range(first * block_users, min(last * block_users, num_rows))
+
+
+def _rank_rows(
+    inputs: _SplitInputs, config: EvaluateConfig, start: int, stop: int
+) -> dict[str, np.ndarray]:
+    """Target ranks of rows start..stop-1 (start on a block boundary), model and baseline.
+
+    Returns:
+        (stop - start,) int64 ranks under "sampled", and "full" when the full protocol
+        runs (not for BST), and the same keys prefixed `popularity/`.
+
+    Raises:
+        TooFewNegativesError: A user has interacted with almost every item.
+        ValueError: The model scores NaN.
+    """
+    block = config.ranking_block_users
+    histories = pad_histories(inputs.histories[start:stop], inputs.max_length)  # (n, L)
+    if inputs.kind == "bst":
+        score_fn = bst_scores(inputs.model, histories, first_row=start)
+    else:
+        # Encoded block by block, so a row's state never depends on where a rank starts.
+        states = np.concatenate(
+            [
+                user_states(inputs.model, histories[i : i + block])
+                for i in range(0, len(histories), block)
+            ]
+        )  # (n, D)
+        with torch.no_grad():
+            table = inputs.model.item_table().float().numpy()  # (V, D), side features included
+        score_fn = model_scores(states, table, first_row=start)
+    protocol = {
+        "users": np.arange(start, stop, dtype=np.int64),  # row numbers key the negatives
+        "targets": inputs.targets[start:stop],
+        "seen": inputs.seen[start:stop],
+        "num_items": inputs.num_items,
+        "num_negatives": config.num_negatives,
+        "seed": config.negatives_seed,
+        "full": config.full_ranking and inputs.kind != "bst",
+        "block_users": block,
+    }
+    ranks: dict[str, np.ndarray] = {}
+    for prefix, fn in (("", score_fn), (BASELINE_PREFIX, popularity_scores(inputs.counts))):
+        result = rank_targets(fn, **protocol)
+        ranks[prefix + "sampled"] = result.sampled
+        if result.full is not None:
+            ranks[prefix + "full"] = result.full
+    return ranks
+
+
+def _rank_in_ranks(
+    config: EvaluateConfig,
+    train_dir: Path,
+    sequences_dir: Path,
+    num_rows: int,
+    world_size: int,
+    ranks_dir: Path,
+    env: dict[str, str] | None,
+    master_port: int,
+    python: str,
+    on_log: Callable[[str], None] | None,
+    chaos: dict[str, Any],
+) -> dict[str, np.ndarray]:
+    """Rank the split in `world_size` launcher ranks; their per-row ranks, in row order.
+
+    Raises:
+        InputNotFoundError, SchemaError, ConfigError, DataError, ValueError,
+            TooFewNegativesError: A rank refused its input (the message names the rank
+            and the launcher log).
+        TransientError: A rank died, or the launcher failed or left no result.
+    """
+    result_file = launch_evaluate_ranks(
+        {
+            "config": config.model_dump(mode="json"),
+            "train_dir": str(train_dir.resolve()),
+            "sequences_dir": str(sequences_dir.resolve()),
+            "num_rows": num_rows,
+        },
+        world_size,
+        ranks_dir / _RESULT_FILE,
+        _WORKER_MODULE,
+        _RANK_ERRORS,
+        f"ranking split {config.split!r} of {sequences_dir}",
+        "evaluate.ranking_block_users",
+        env,
+        master_port,
+        python,
+        on_log,
+        chaos,
+    )
+    with np.load(result_file, allow_pickle=False) as saved:
+        ranks = {key: saved[key] for key in saved.files}
+    result_file.unlink()  # the ranks of every row: not an output to publish
+    short = {key: len(value) for key, value in ranks.items() if len(value) != num_rows}
+    if short or "sampled" not in ranks:
+        raise TransientError(
+            f"rank 0's {result_file} holds {short or sorted(ranks)} ranks, not {num_rows} "
+            f"per protocol for split {config.split!r} of {sequences_dir}; the ranks did not "
+            "cover the split, rerun"
+        )
+    return ranks

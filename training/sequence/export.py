@@ -1,0 +1,537 @@
+"""Export stage for SASRec: package a next-item model as a top-K recommender, prove parity.
+
+Reads `<train_dir>/model_config.json` (`{"model": "sasrec", "num_items", "max_length",
+"hidden_dim", "num_blocks", "num_heads", "dropout"}`), `<train_dir>/model.safetensors`
+(`SASRec.state_dict()` in fp32), the fitted transform file (the item field's entry
+under `"sparse"`), the first rows of `<sequences_dir>/test.parquet` (column `history`)
+and optionally the evaluation's metrics.json. Writes into `out_dir`:
+
+- `model.safetensors`, `model_config.json`: copies of the trained model;
+- `transform.json`: a copy of the fitted transform (raw ids -> item indices);
+- `model.onnx`: input `history` int64 (B, max_length), the user's item indices oldest
+  first, left-padded with 0; outputs `items` int64 (B, K), the K highest-scoring items
+  best first, never item 0 nor an item of the history, and `scores` float32 (B, K),
+  their scores; the batch axis is dynamic;
+- `model.ts`: the same graph as TorchScript (torch.jit.trace);
+- `item_ids.json` (vocabulary item fields only): the raw item id of index i at position
+  i, null at index 0 (padding / out of vocabulary);
+- `signature.json`: input/output names, dtypes, shapes, K, max_length, the padding item
+  and how item indices map to raw ids;
+- `parity/inputs.npz` (key `history`), `parity/items.npy` (N, K) int64 and
+  `parity/scores.npy` (N, K) float32: the trained model's top K on the first
+  N = min(parity_rows, test rows) test histories, for checks at serving time;
+- `model_card.md`.
+
+Parity: the top K is computed from the torch model by an independent numpy path
+(`reference_top_k`); onnxruntime and TorchScript must return the same item ids for every
+row and scores within `parity_atol`, or ParityError is raised (the files written so far
+stay in `out_dir`, which the caller treats as a failed staging directory).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from data_prep.errors import ConfigError, InputNotFoundError, ParityError, SchemaError
+from training.config import ExportConfig
+from training.packaging import PARITY_SPLIT, max_abs_diff
+from training.runtime.files import MODEL_CONFIG_FILE, WEIGHTS_FILE
+from training.sequence.bst import BST
+from training.sequence.sasrec import PADDING_ITEM, SASRec
+
+MODEL_KIND = "sasrec"
+INPUT_NAME = "history"
+OUTPUT_NAMES = ("items", "scores")
+ITEM_IDS_FILE = "item_ids.json"
+# The constructor arguments of each model, which model_config.json holds beside "model".
+_SASREC_ARGS = ("num_items", "max_length", "hidden_dim", "num_blocks", "num_heads", "dropout")
+# model -> (class, required arguments, optional arguments)
+_MODELS: dict[str, tuple[type[nn.Module], tuple[str, ...], tuple[str, ...]]] = {
+    "sasrec": (SASRec, _SASREC_ARGS, ("item_features",)),
+    "bst": (BST, (*_SASREC_ARGS, "mlp"), ()),
+}
+
+
+@dataclass(frozen=True)
+class SequenceExportResult:
+    """An exported top-K recommender package.
+
+    Attributes:
+        out_dir: The package directory.
+        parity_rows: Test histories in the parity sample (N).
+        top_k_match_onnx: Fraction of parity rows whose onnxruntime top-K item ids equal
+            the reference exactly (1.0 in a package that passed the check).
+        top_k_match_torchscript: The same for TorchScript.
+        parity_max_abs_diff_onnx: Largest |reference - onnxruntime| top-K score.
+        parity_max_abs_diff_torchscript: Largest |reference - TorchScript| top-K score.
+        files: The package's files, relative to out_dir, sorted.
+    """
+
+    out_dir: Path
+    parity_rows: int
+    top_k_match_onnx: float
+    top_k_match_torchscript: float
+    parity_max_abs_diff_onnx: float
+    parity_max_abs_diff_torchscript: float
+    files: list[str]
+
+
+def load_sequence_model(train_dir: Path, kind: str = MODEL_KIND) -> tuple[Any, dict[str, Any]]:
+    """Rebuild a trained sequence model from `model_config.json` and `model.safetensors`.
+
+    Args:
+        train_dir: The train stage's output directory.
+        kind: The model the caller handles: "sasrec" (a `SASRec`) or "bst" (a `BST`).
+
+    Returns:
+        (model in fp32 eval mode, its model config dict).
+
+    Raises:
+        InputNotFoundError: One of the two files is missing.
+        SchemaError: The config describes another model, has missing or unknown keys,
+            or the weights do not fit it.
+        ConfigError: The config's architecture is invalid (see `SASRec`, `BST`).
+    """
+    config_path = Path(train_dir) / MODEL_CONFIG_FILE
+    weights_path = Path(train_dir) / WEIGHTS_FILE
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise InputNotFoundError(f"{path} does not exist; run the train stage first")
+    model_config = json.loads(config_path.read_text())
+    if not isinstance(model_config, dict) or model_config.get("model") != kind:
+        found = model_config.get("model") if isinstance(model_config, dict) else None
+        raise SchemaError(
+            f"{config_path} describes model {found!r}, not {kind!r}; export CTR models "
+            "with training.ctr.export.export_model, BST with training.sequence.bst_export"
+        )
+    model_class, required, optional = _MODELS[kind]
+    missing = {"model", *required} - set(model_config)
+    unknown = set(model_config) - {"model", *required, *optional}
+    if missing or unknown:
+        raise SchemaError(
+            f"{config_path}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; "
+            f"it holds {sorted(required)} and optionally {sorted(optional)}"
+        )
+    model = model_class(**{k: v for k, v in model_config.items() if k != "model"})
+    try:
+        model.load_state_dict(load_file(weights_path), strict=True)
+    except RuntimeError as error:
+        raise SchemaError(
+            f"{weights_path} does not fit {config_path}: {error}; export the weights and the "
+            "config of the same train run"
+        ) from error
+    return model.float().eval(), model_config
+
+
+def _check_k(k: int, num_items: int, max_length: int) -> None:
+    """Refuse a K that could force masked items (padding, history) into the top K."""
+    # At most 1 + max_length items are masked per row, so this many always remain.
+    most = num_items - 1 - max_length
+    if not 1 <= k <= most:
+        raise ConfigError(
+            f"k={k}: need 1 <= k <= num_items - 1 - max_length = {most}, so that K items "
+            "remain once padding and the history are excluded; lower k"
+        )
+
+
+class TopKScorer(nn.Module):
+    """The served graph: a SASRec's K best next items for each user, seen items excluded.
+
+    Exactly tied scores: ONNX TopK returns the lower item index first (as
+    `reference_top_k`); torch.topk, and so the TorchScript package, promises no order.
+
+    Args:
+        model: The trained model (put it in eval mode before tracing or exporting).
+        k: K, at most num_items - 1 - max_length.
+
+    Raises:
+        ConfigError: k is out of range.
+    """
+
+    def __init__(self, model: SASRec, k: int) -> None:
+        super().__init__()
+        _check_k(
+            k, model.item_embedding.num_embeddings, model.input.position_embedding.num_embeddings
+        )
+        self.model = model
+        self.k = k
+
+    def forward(self, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-K items after the history.
+
+        Args:
+            history: (B, L) int64 item indices, oldest first, left-padded with 0.
+
+        Returns:
+            items (B, K) int64, best first; scores (B, K) float32, descending.
+        """
+        hidden = self.model(history)[:, -1]  # (B, D): the state after the newest item
+        scores = self.model.score(hidden)  # (B, V)
+        # Serving never recommends padding or what the user already interacted with;
+        # masking before topk (not filtering after) keeps K real items in every row.
+        excluded = torch.cat([torch.zeros_like(history[:, :1]), history], dim=1)  # (B, 1 + L)
+        scores = scores.scatter(1, excluded, float("-inf"))
+        top_scores, items = torch.topk(scores, self.k, dim=1)  # (B, K) each, sorted
+        return items, top_scores
+
+
+def reference_top_k(model: SASRec, history: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top K of `TopKScorer`, computed on another path: torch scores, numpy ranking.
+
+    Ties are broken by the lower item index first (a stable sort), as ONNX TopK does.
+
+    Args:
+        model: The trained model, in eval mode.
+        history: (N, L) int64 item indices, oldest first, left-padded with 0.
+        k: K, at most num_items - 1 - max_length.
+
+    Returns:
+        items (N, K) int64 and scores (N, K) float32, best first.
+
+    Raises:
+        ValueError: The model is in training mode (dropout would make it random).
+        ConfigError: k is out of range.
+    """
+    if model.training:
+        raise ValueError("reference_top_k needs the model in eval mode; call model.eval()")
+    _check_k(k, model.item_embedding.num_embeddings, model.input.position_embedding.num_embeddings)
+    with torch.no_grad():
+        scores = model.score(model(history)[:, -1]).numpy().astype(np.float32)  # (N, V), a copy
+    scores[:, PADDING_ITEM] = -np.inf
+    np.put_along_axis(scores, history.numpy(), -np.inf, axis=1)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # (N, K)
+    return order.astype(np.int64), np.take_along_axis(scores, order, axis=1)
+
+
+def pad_histories(histories: list[list[int]], max_length: int) -> torch.Tensor:
+    """Left-pad with 0 (or keep the newest `max_length` items of) each history.
+
+    Args:
+        histories: N lists of item indices, oldest first; may be empty.
+        max_length: L.
+
+    Returns:
+        (N, L) int64; the newest item of each history at position L - 1.
+
+    Raises:
+        ValueError: max_length < 1.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length={max_length} must be at least 1")
+    padded = torch.zeros(len(histories), max_length, dtype=torch.int64)
+    for row, items in enumerate(histories):
+        kept = list(items)[-max_length:]
+        if kept:
+            padded[row, -len(kept) :] = torch.as_tensor(kept, dtype=torch.int64)
+    return padded
+
+
+def export_sequence_model(
+    config: ExportConfig,
+    train_dir: Path,
+    transform_path: Path,
+    sequences_dir: Path,
+    item_field: str,
+    metrics_path: Path | None,
+    out_dir: Path,
+    k: int = 10,
+) -> SequenceExportResult:
+    """Write the top-K package and check that ONNX and TorchScript rank like the model.
+
+    Args:
+        config: The export config (model_name, parity_rows, parity_atol, opset).
+        train_dir: The train stage's output (model_config.json, model.safetensors).
+        transform_path: The fitted transform file of the preprocess stage.
+        sequences_dir: The preprocess stage's sequence directory (test.parquet).
+        item_field: The item's sparse field in the transform (raw ids of item indices).
+        metrics_path: The evaluation's metrics.json for the model card, or None.
+        out_dir: The package directory; created if missing.
+        k: K, the recommendations per user.
+
+    Returns:
+        The package and its parity figures.
+
+    Raises:
+        InputNotFoundError: A model file, the transform, test.parquet or the metrics is
+            missing.
+        SchemaError: The model config is not SASRec's, the transform has no usable entry
+            for item_field or its size disagrees with num_items, or test.parquet has no
+            `history` column, no rows or item indices outside [0, num_items).
+        ConfigError: k is out of range.
+        ParityError: ONNX or TorchScript return other top-K items than the reference for
+            some row, or scores further than parity_atol from it.
+    """
+    train_dir, out_dir = Path(train_dir), Path(out_dir)
+    for path in (transform_path, metrics_path):
+        if path is not None and not Path(path).is_file():
+            raise InputNotFoundError(f"{path} does not exist")
+    model, model_config = load_sequence_model(train_dir)
+    num_items, max_length = model_config["num_items"], model_config["max_length"]
+    transform = json.loads(Path(transform_path).read_text())
+    item_ids = _item_ids(transform, item_field, num_items, Path(transform_path))
+    history = _parity_histories(Path(sequences_dir), config.parity_rows, max_length, num_items)
+    scorer = TopKScorer(model, k).eval()
+    expected_items, expected_scores = reference_top_k(model, history, k)  # (N, K) each
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "parity").mkdir(exist_ok=True)
+    # Trace on 2 rows (repeated if the sample has 1), fewer than the parity sample in
+    # general, so scoring the sample also checks that the batch axis is really dynamic.
+    example = history[torch.arange(2) % len(history)]
+    onnx_path = out_dir / "model.onnx"
+    torch.onnx.export(
+        scorer,
+        (example,),
+        str(onnx_path),
+        input_names=[INPUT_NAME],
+        output_names=list(OUTPUT_NAMES),
+        dynamic_axes={name: {0: "batch"} for name in (INPUT_NAME, *OUTPUT_NAMES)},
+        opset_version=config.opset,
+        dynamo=False,
+    )
+    onnx.checker.check_model(str(onnx_path))
+    with torch.no_grad():
+        traced = torch.jit.trace(scorer, (example,))
+    ts_path = out_dir / "model.ts"
+    torch.jit.save(traced, str(ts_path))
+
+    inputs = {INPUT_NAME: history.numpy()}
+    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    onnx_items, onnx_scores = session.run(list(OUTPUT_NAMES), inputs)
+    with torch.no_grad():
+        ts_items, ts_scores = (t.numpy() for t in torch.jit.load(str(ts_path))(history))
+    rows = len(history)
+    differ_onnx = _rows_differing(expected_items, onnx_items)
+    differ_ts = _rows_differing(expected_items, ts_items)
+    diff_onnx = max_abs_diff(expected_scores, onnx_scores)
+    diff_ts = max_abs_diff(expected_scores, ts_scores)
+    scores_close = diff_onnx <= config.parity_atol and diff_ts <= config.parity_atol  # NaN: False
+    if differ_onnx or differ_ts or not scores_close:
+        raise ParityError(
+            f"exported top-{k} lists disagree with the trained model on the {rows} "
+            f"{PARITY_SPLIT} histories checked: ONNX {differ_onnx} rows with other item ids, "
+            f"max |score diff| "
+            f"{diff_onnx:.3g}; TorchScript {differ_ts} rows, max |score diff| {diff_ts:.3g} "
+            f"(parity_atol {config.parity_atol:g}); check the model for ops that export "
+            "changes, or for near-tied scores"
+        )
+
+    np.savez(out_dir / "parity" / "inputs.npz", **inputs)
+    np.save(out_dir / "parity" / "items.npy", expected_items)
+    np.save(out_dir / "parity" / "scores.npy", expected_scores)
+    shutil.copyfile(train_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
+    shutil.copyfile(train_dir / MODEL_CONFIG_FILE, out_dir / MODEL_CONFIG_FILE)
+    shutil.copyfile(transform_path, out_dir / "transform.json")
+    if item_ids is not None:
+        (out_dir / ITEM_IDS_FILE).write_text(json.dumps(item_ids) + "\n")
+    item_kind = transform["sparse"][item_field]["kind"]
+    signature = _signature(config, model_config, k, item_field, item_kind)
+    (out_dir / "signature.json").write_text(json.dumps(signature, indent=2) + "\n")
+    metrics = json.loads(Path(metrics_path).read_text()) if metrics_path is not None else None
+    match_onnx, match_ts = 1.0 - differ_onnx / rows, 1.0 - differ_ts / rows
+    card = _model_card(
+        config, model_config, k, item_field, item_kind, metrics, rows, diff_onnx, diff_ts
+    )
+    (out_dir / "model_card.md").write_text(card)
+    files = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
+    return SequenceExportResult(
+        out_dir=out_dir,
+        parity_rows=rows,
+        top_k_match_onnx=match_onnx,
+        top_k_match_torchscript=match_ts,
+        parity_max_abs_diff_onnx=diff_onnx,
+        parity_max_abs_diff_torchscript=diff_ts,
+        files=files,
+    )
+
+
+def _item_ids(
+    transform: dict[str, Any], item_field: str, num_items: int, transform_path: Path
+) -> list[Any] | None:
+    """Raw id of every item index (None at index 0) for a vocabulary field, None for a hash."""
+    entry = transform.get("sparse", {}).get(item_field)
+    if entry is None:
+        raise SchemaError(
+            f"{transform_path} has no sparse field {item_field!r} (it has "
+            f"{sorted(transform.get('sparse', {}))}); pass the item field the sequences use"
+        )
+    kind = entry.get("kind")
+    if kind == "vocab":
+        size = len(entry["values"]) + 1
+    elif kind == "hash":
+        size = entry.get("num_embeddings", num_items)
+    else:
+        raise SchemaError(
+            f"{transform_path}: field {item_field!r} has kind {kind!r}, not 'vocab' or 'hash'"
+        )
+    if size != num_items:
+        raise SchemaError(
+            f"{transform_path}: field {item_field!r} has {size} indices but the model has "
+            f"num_items={num_items}; export the transform the model was trained with"
+        )
+    return [None, *entry["values"]] if kind == "vocab" else None
+
+
+def _parity_histories(
+    sequences_dir: Path, rows: int, max_length: int, num_items: int
+) -> torch.Tensor:
+    """The first `rows` test histories, padded: (N, max_length) int64, N >= 1."""
+    path = sequences_dir / f"{PARITY_SPLIT}.parquet"
+    if not path.is_file():
+        raise InputNotFoundError(f"{path} does not exist; run the preprocess stage first")
+    parquet = pq.ParquetFile(path)
+    if INPUT_NAME not in parquet.schema_arrow.names:
+        raise SchemaError(
+            f"{path} has no {INPUT_NAME!r} column (columns: {parquet.schema_arrow.names})"
+        )
+    histories: list[list[int]] = []
+    # Read batch by batch: the test split can be large and parity needs its head only.
+    for batch in parquet.iter_batches(batch_size=rows, columns=[INPUT_NAME]):
+        histories += [items or [] for items in batch.column(0).to_pylist()]
+        if len(histories) >= rows:
+            break
+    if not histories:
+        raise SchemaError(f"{path} has no rows for the parity check")
+    history = pad_histories(histories[:rows], max_length)
+    if history.min() < 0 or history.max() >= num_items:
+        raise SchemaError(
+            f"{path}: item indices span [{int(history.min())}, {int(history.max())}], outside "
+            f"[0, num_items={num_items}); export the sequences the model was trained on"
+        )
+    return history
+
+
+def _rows_differing(expected: np.ndarray, actual: np.ndarray) -> int:
+    """Rows whose top-K item ids are not exactly the expected ones (all, if shapes differ)."""
+    if expected.shape != actual.shape:
+        return len(expected)
+    return int((expected != actual).any(axis=1).sum())
+
+
+def _index_meaning(item_field: str, item_kind: str) -> str:
+    if item_kind == "vocab":
+        return (
+            f"Item indices are the vocabulary of `{item_field}` in transform.json: index i >= 1 "
+            f"is raw id `item_ids.json[i]` (= `sparse.{item_field}.values[i - 1]`); index 0 is "
+            "padding and out-of-vocabulary."
+        )
+    return (
+        f"Item indices are hash buckets of `{item_field}` (see `hash` in transform.json); "
+        "several raw ids may share a bucket and there is no inverse mapping. Index 0 is padding."
+    )
+
+
+def _signature(
+    config: ExportConfig, model_config: dict[str, Any], k: int, item_field: str, item_kind: str
+) -> dict[str, Any]:
+    max_length = model_config["max_length"]
+    return {
+        "model_name": config.model_name,
+        "model": MODEL_KIND,
+        "inputs": [
+            {
+                "name": INPUT_NAME,
+                "dtype": "int64",
+                "shape": ["batch", max_length],
+                "description": "item indices the user interacted with, oldest first, the "
+                f"newest {max_length} kept, left-padded with {PADDING_ITEM}",
+                "num_items": model_config["num_items"],
+                "padding": PADDING_ITEM,
+            }
+        ],
+        "outputs": [
+            {
+                "name": OUTPUT_NAMES[0],
+                "dtype": "int64",
+                "shape": ["batch", k],
+                "description": "the k highest-scoring next items, best first; never the "
+                "padding item nor an item of the history",
+            },
+            {
+                "name": OUTPUT_NAMES[1],
+                "dtype": "float32",
+                "shape": ["batch", k],
+                "description": "their scores (dot products with the user state), descending",
+            },
+        ],
+        "k": k,
+        "max_length": max_length,
+        "padding_item": PADDING_ITEM,
+        "items": {
+            "field": item_field,
+            "kind": item_kind,
+            "index_to_id": ITEM_IDS_FILE if item_kind == "vocab" else None,
+            "description": _index_meaning(item_field, item_kind),
+        },
+        "files": {"onnx": "model.onnx", "torchscript": "model.ts", "transform": "transform.json"},
+    }
+
+
+def metrics_lines(metrics: dict[str, Any] | None) -> list[str]:
+    """The model card's metrics as markdown table lines ("Not evaluated." without any)."""
+    if metrics is None:
+        return ["Not evaluated."]
+    return ["| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in metrics.items())]
+
+
+def _model_card(
+    config: ExportConfig,
+    model_config: dict[str, Any],
+    k: int,
+    item_field: str,
+    item_kind: str,
+    metrics: dict[str, Any] | None,
+    parity_rows: int,
+    diff_onnx: float,
+    diff_ts: float,
+) -> str:
+    max_length = model_config["max_length"]
+    lines = [
+        f"# {config.model_name}",
+        "",
+        "## Model",
+        "",
+        f"SASRec next-item recommender ({model_config['num_blocks']} causal Transformer "
+        f"blocks over the last {max_length} items, {model_config['num_items']} item indices). "
+        f"Input `{INPUT_NAME}` int64 (B, {max_length}): item indices oldest first, left-padded "
+        f"with {PADDING_ITEM}. Outputs `items` int64 (B, {k}) and `scores` float32 (B, {k}): "
+        "the top items best first, excluding padding and the items of the history.",
+        "",
+        "```json",
+        json.dumps(model_config, indent=2),
+        "```",
+        "",
+        "## Items",
+        "",
+        _index_meaning(item_field, item_kind),
+        "",
+        "## Metrics",
+        "",
+    ]
+    lines += metrics_lines(metrics)
+    lines += [
+        "",
+        "## Parity",
+        "",
+        f"Top {k} on the first {parity_rows} {PARITY_SPLIT} histories (`parity/`), compared "
+        f"with the trained torch model: item ids exactly, scores within {config.parity_atol:g}.",
+        "",
+        "| runtime | rows with identical top-K | max abs score diff |",
+        "|---|---|---|",
+        f"| onnxruntime (opset {config.opset}) | {parity_rows} / {parity_rows} | {diff_onnx:.3g} |",
+        f"| TorchScript | {parity_rows} / {parity_rows} | {diff_ts:.3g} |",
+        "",
+    ]
+    return "\n".join(lines)
