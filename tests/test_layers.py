@@ -38,3 +38,61 @@ def test_libraries_read_no_environment():
         for path in (REPO / package).rglob("*.py"):
             text = path.read_text()
             assert "os.environ" not in text and "getenv" not in text, path
+
+
+# Inside training/: two model families share one runtime and never borrow from each other.
+# Folder -> the training folders (and top-level modules) it may import from.
+TRAINING_ALLOWED = {
+    "runtime": {"runtime", "config"},
+    "ctr": {"runtime", "ctr", "config", "packaging", "blessing"},
+    "sequence": {"runtime", "sequence", "config", "packaging", "blessing"},
+}
+
+
+def training_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, imported names) of every `training.*` import in a file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] == "training":
+                found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.split(".")[0] == "training"]
+    return found
+
+
+def training_part(module: str) -> str:
+    """The folder (or top-level module) of training a module name belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+@pytest.mark.parametrize("folder", sorted(TRAINING_ALLOWED))
+def test_training_folders_import_only_what_they_may(folder):
+    offenders = []
+    for path in (REPO / "training" / folder).rglob("*.py"):
+        for module, names in training_imports(path):
+            part = training_part(module)
+            if part not in TRAINING_ALLOWED[folder]:
+                offenders.append(f"{path.relative_to(REPO)}: {module}")
+            elif part != folder:
+                # Across folders only public names: a private helper is not an interface.
+                offenders += [
+                    f"{path.relative_to(REPO)}: {module}.{name}"
+                    for name in names
+                    if name.startswith("_")
+                ]
+    assert offenders == []
+
+
+def test_packaging_imports_only_the_runtime():
+    parts = {training_part(m) for m, _ in training_imports(REPO / "training" / "packaging.py")}
+    assert parts <= {"runtime", "config"}
+
+
+def test_the_layer_check_sees_a_cross_family_import(tmp_path):
+    offending = tmp_path / "bad.py"
+    offending.write_text("from training.ctr.train import _write\nimport training.sequence.bst\n")
+    found = training_imports(offending)
+    assert [training_part(m) for m, _ in found] == ["ctr", "sequence"]
+    assert found[0][1] == ["_write"]
