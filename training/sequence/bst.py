@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,7 @@ from training.sequence.sasrec import (
     SequenceInputPipe,
     TransformerBlock,
     TransformerBlockPipe,
+    architecture_args,
     block_parameter_name,
     init_item_table,
     split_pipeline_state,
@@ -476,3 +478,65 @@ def bst_pipeline_state_to_model(state: Mapping[str, torch.Tensor]) -> dict[str, 
                 target = block_parameter_name(index, name)
             result[target] = tensor
     return result
+
+
+# --- the registry's view: one signature per role (see training.sequence.registry) -----
+
+
+def build_bst(model_config: Mapping[str, Any]) -> BST:
+    """BST from its `model_config.json` arguments (see `training.sequence.train`)."""
+    return BST(*architecture_args(model_config), list(model_config["mlp"]))
+
+
+def build_bst_pipeline_layers_from(model_config: Mapping[str, Any]) -> list[LayerSpec]:
+    """`build_bst_pipeline_layers` from the `model_config.json` arguments."""
+    return build_bst_pipeline_layers(*architecture_args(model_config), list(model_config["mlp"]))
+
+
+def bst_micro_batch(
+    rows: list[list[int]],
+    max_length: int,
+    num_items: int,
+    num_negatives: int,
+    generator: torch.Generator,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One pipeline micro batch of train rows: ((history, target), label).
+
+    Args:
+        rows: Item lists, oldest first (each of at least 2 items).
+        max_length: L.
+        num_items: V.
+        num_negatives: Negative targets per positive.
+        generator: The cut points' and negatives' random source.
+
+    Returns:
+        history (B', L), target (B',), label (B',) with B' = len(rows) x (1 + N).
+    """
+    samples = bst_batch(rows, max_length, num_items, num_negatives, generator)
+    return bst_pipeline_batch(*samples)
+
+
+def bst_model_options(mlp: list[int], item_features: Mapping[str, int]) -> dict[str, Any]:
+    """BST's own `model_config.json` arguments: the head MLP.
+
+    Raises:
+        ConfigError: Preprocess wrote item side features, which BST does not take.
+    """
+    if item_features:
+        raise ConfigError(
+            f"train.model=bst takes no item side features, but preprocess wrote "
+            f"{sorted(item_features)} (preprocess.sequence_item_features); remove them or use "
+            "train.model: sasrec"
+        )
+    return {"mlp": list(mlp)}
+
+
+def bst_activation_shape(
+    batch_size: int, max_length: int, num_negatives: int
+) -> tuple[int, int, int]:
+    """(rows, positions, candidates per position) a micro batch of sequences runs.
+
+    Each sequence becomes 1 + N rows of L + 1 positions (history and target); the
+    head scores one target per row, so no candidate vectors are gathered.
+    """
+    return batch_size * (1 + num_negatives), max_length + 1, 0

@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -707,3 +708,64 @@ def block_parameter_name(index: int, name: str) -> str:
     if not name.startswith("block."):
         raise ValueError(f"layer {index}: {name!r} is not a transformer block name")
     return f"blocks.{index - 2}.{name.removeprefix('block.')}"
+
+
+# --- the registry's view: one signature per role (see training.sequence.registry) -----
+
+# The constructor arguments every sequence model shares, in their order.
+ARCHITECTURE_ARGS = ("num_items", "max_length", "hidden_dim", "num_blocks", "num_heads", "dropout")
+
+
+def architecture_args(model_config: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The shared constructor arguments of a `model_config.json` dict, in their order."""
+    return tuple(model_config[name] for name in ARCHITECTURE_ARGS)
+
+
+def build_sasrec(model_config: Mapping[str, Any]) -> SASRec:
+    """SASRec from its `model_config.json` arguments (see `training.sequence.train`)."""
+    return SASRec(*architecture_args(model_config), dict(model_config.get("item_features") or {}))
+
+
+def build_sasrec_pipeline_layers(model_config: Mapping[str, Any]) -> list[LayerSpec]:
+    """`build_pipeline_layers` from the `model_config.json` arguments."""
+    features = dict(model_config.get("item_features") or {})
+    return build_pipeline_layers(*architecture_args(model_config), features)
+
+
+def sasrec_micro_batch(
+    rows: list[list[int]],
+    max_length: int,
+    num_items: int,
+    num_negatives: int,
+    generator: torch.Generator,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One pipeline micro batch of train rows: ((history, positives, negatives), positives).
+
+    Args:
+        rows: B item lists, oldest first.
+        max_length: L.
+        num_items: V.
+        num_negatives: N negatives per position.
+        generator: The negatives' random source.
+
+    Returns:
+        history (B, L), positives (B, L), negatives (B, L, N); positives again as labels.
+    """
+    history, positives = next_item_batch(rows, max_length)  # (B, L) each
+    negatives = sample_negatives(positives, num_items, num_negatives, generator)  # (B, L, N)
+    return pipeline_batch(history, positives, negatives)
+
+
+def sasrec_model_options(mlp: list[int], item_features: Mapping[str, int]) -> dict[str, Any]:
+    """SASRec's own `model_config.json` arguments: the item side features (no head MLP)."""
+    return {"item_features": dict(item_features)}
+
+
+def sasrec_activation_shape(
+    batch_size: int, max_length: int, num_negatives: int
+) -> tuple[int, int, int]:
+    """(rows, positions, candidates per position) a micro batch of sequences runs.
+
+    Every position scores its positive and its N negatives.
+    """
+    return batch_size, max_length, 1 + num_negatives
