@@ -688,7 +688,7 @@ def validate_batch(
         typed[spec.name], checks, key = parse(text, spec, schema)
         for reason, mask in checks:
             flag(reason, mask)
-        row_hash = splitmix64(row_hash * _MULTIPLIER + key)
+        _mix_into(row_hash, key)
     if seen is not None and n:
         good = reason_of < 0
         duplicate = np.zeros(n, dtype=bool)
@@ -819,7 +819,7 @@ def _parse_scalar(
     present = ~missing
     values, ok, value_checks = _parse_numbers(text, spec.dtype, spec.name)
     checks += [(reason, mask & present) for reason, mask in value_checks]
-    key = np.where(missing, _NULL_HASH, _hash_numbers(values))
+    key = np.where(missing, _NULL_HASH, _number_keys(values))
     if spec.threshold is not None:
         values = pc.cast(pc.greater_equal(values, spec.threshold), pa.int64())
     elif spec.role == "label":
@@ -868,7 +868,7 @@ def _parse_clean_scalar(
             return None
     elif (data == ord("(")).any() or not np.isfinite(values.to_numpy()).all():
         return None
-    key = _hash_numbers(values)
+    key = _number_keys(values)
     if spec.threshold is not None:
         return pc.cast(pc.greater_equal(values, spec.threshold), pa.int64()), [], key
     if spec.role == "label":
@@ -961,7 +961,7 @@ def _parse_multi_hot(
     else:
         values, _, value_checks = _parse_numbers(elements, spec.dtype, spec.name)
         checks += [(reason, rows_with(mask)) for reason, mask in value_checks]
-        element_keys = _hash_numbers(values)
+        element_keys = splitmix64(_number_keys(values))
     typed = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values, mask=pa.array(~valid))
     key = np.where(valid, _hash_sequences(offsets, element_keys), _NULL_HASH)
     return typed, checks, key
@@ -990,12 +990,37 @@ def _powers(size: int) -> np.ndarray:
     return np.cumprod(powers, dtype=np.uint64)
 
 
-def _hash_numbers(values: pa.Array) -> np.ndarray:
-    """(N,) uint64 hash of int64/float64 values without nulls (-0.0 hashes as 0.0)."""
+def _number_keys(values: pa.Array) -> np.ndarray:
+    """(N,) uint64 key of int64/float64 values without nulls (-0.0 as 0.0): their bits.
+
+    Not mixed: ``_mix_into`` mixes each column's key into the row hash with splitmix64,
+    a bijection, so distinct values of a column never meet before the mixing.
+    """
     array = values.to_numpy()
     if array.dtype == np.float64:
         array = array + 0.0
-    return splitmix64(array.view(np.uint64) ^ _MULTIPLIER)
+    return array.view(np.uint64) ^ _MULTIPLIER
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix_into(row_hash: np.ndarray, key: np.ndarray) -> None:
+    """``row_hash = splitmix64(row_hash * _MULTIPLIER + key)``, in place (no temporaries
+    per step: this runs once per column and row)."""
+    np.multiply(row_hash, _MULTIPLIER, out=row_hash)
+    np.add(row_hash, key, out=row_hash)
+    np.add(row_hash, _GOLDEN, out=row_hash)
+    shifted = np.right_shift(row_hash, np.uint64(30))
+    np.bitwise_xor(row_hash, shifted, out=row_hash)
+    np.multiply(row_hash, _MIX1, out=row_hash)
+    np.right_shift(row_hash, np.uint64(27), out=shifted)
+    np.bitwise_xor(row_hash, shifted, out=row_hash)
+    np.multiply(row_hash, _MIX2, out=row_hash)
+    np.right_shift(row_hash, np.uint64(31), out=shifted)
+    np.bitwise_xor(row_hash, shifted, out=row_hash)
 
 
 def _hash_sequences(offsets: np.ndarray, items: np.ndarray) -> np.ndarray:
@@ -1052,16 +1077,17 @@ class _SeenRows:
 
     def add(self, hashes: np.ndarray) -> np.ndarray:
         """Add a batch of hashes; return a mask of those seen before (earlier in the batch too)."""
-        # Sorted queries: the binary searches walk each run in order (cache friendly), and
-        # a stable sort keeps the first of equal hashes first.
-        order = np.argsort(hashes, kind="stable")
-        ordered = hashes[order]
-        duplicate = np.zeros(len(hashes), dtype=bool)
-        duplicate[1:] = ordered[1:] == ordered[:-1]
+        # Sorted queries: the binary searches walk each run in order (cache friendly). A plain
+        # sort of the values is several times cheaper than an argsort; duplicates are rare,
+        # so only their values are traced back to rows.
+        ordered = np.sort(hashes)
+        repeated = np.zeros(len(ordered), dtype=bool)
+        repeated[1:] = ordered[1:] == ordered[:-1]
+        known = np.zeros(len(ordered), dtype=bool)
         for run in self._runs:
             at = np.minimum(np.searchsorted(run, ordered), len(run) - 1)
-            duplicate |= run[at] == ordered
-        new = ordered[~duplicate]
+            known |= run[at] == ordered
+        new = ordered[~(repeated | known)]
         if len(new):
             self._runs.append(new)
             while len(self._runs) > 1 and len(self._runs[-2]) <= 2 * len(self._runs[-1]):
@@ -1069,6 +1095,14 @@ class _SeenRows:
                 # Disjoint sorted runs: timsort merges them in linear time.
                 merged = np.concatenate([self._runs[-1], newest])
                 self._runs[-1] = np.sort(merged, kind="stable")
-        unordered = np.empty_like(duplicate)
-        unordered[order] = duplicate
-        return unordered
+        duplicate = np.zeros(len(hashes), dtype=bool)
+        if known.any():
+            # Every row with a hash kept in an earlier batch.
+            duplicate |= np.isin(hashes, ordered[known])
+        if repeated.any():
+            # Repeats within the batch: every row but the first of its hash.
+            within = np.flatnonzero(np.isin(hashes, ordered[1:][repeated[1:]]))
+            _, first = np.unique(hashes[within], return_index=True)
+            duplicate[within] = True
+            duplicate[within[first]] &= np.isin(hashes[within[first]], ordered[known])
+        return duplicate

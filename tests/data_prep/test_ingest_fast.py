@@ -111,3 +111,17 @@ def test_files_ingested_in_parallel_give_the_same_bytes(tmp_path):
     reasons = results[0].reasons
     assert reasons["not_int64:user_id"] == 4 and reasons["duplicate_row"] == 4
     assert reasons["duplicate_file:" + str(tmp_path / "raw" / "part-1.csv")] == 2_500
+
+
+def test_the_seen_rows_set_flags_every_repeat_but_the_first():
+    # Against a Python set over random batches with many repeats, within and across batches.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        seen, rows = set(), ingest._SeenRows()
+        for _ in range(int(rng.integers(1, 12))):
+            batch = rng.integers(0, rng.integers(1, 300), rng.integers(0, 50)).astype(np.uint64)
+            expected = []
+            for value in batch.tolist():
+                expected.append(value in seen)
+                seen.add(value)
+            assert rows.add(batch).tolist() == expected
