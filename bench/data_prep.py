@@ -294,12 +294,15 @@ def run_pandas(raw: Path, out: Path) -> dict:
     out.mkdir(parents=True)
     files = sorted(raw.glob("part-*"))
     if files[0].suffix == ".parquet":
-        frame = pd.concat([pd.read_parquet(f).astype(str) for f in files], ignore_index=True)
+        frames = [pd.read_parquet(f).astype(str) for f in files]
     else:
         # Every column as text, so malformed values can be quarantined instead of failing.
         dtypes = {f.name: "string" for f in schema.fields}
         frames = [pd.read_csv(f, dtype=dtypes, keep_default_na=False) for f in files]
-        frame = pd.concat(frames, ignore_index=True)
+    # Which file each row came from: duplicate rows are looked for within a file.
+    file_of = np.repeat(np.arange(len(frames)), [len(f) for f in frames])
+    frame = pd.concat(frames, ignore_index=True)
+    del frames
 
     bad = pd.Series(False, index=frame.index)
     typed = {}
@@ -319,6 +322,9 @@ def run_pandas(raw: Path, out: Path) -> dict:
     for name in ("city", "device", "category"):
         good[name] = frame.loc[~bad, name]
     del frame, typed
+    # A row equal (typed) to an earlier row of its file is a duplicate; the first is kept.
+    good["file"] = file_of[~bad.to_numpy()]
+    good = good[~good.duplicated(keep="first")].drop(columns="file")
     for name in INTS:
         good[name] = good[name].astype("int64")
 
@@ -357,7 +363,7 @@ def run_pandas(raw: Path, out: Path) -> dict:
             shards[name].append({"path": path.name, "rows": len(rows)})
     (out / "dataset.json").write_text(json.dumps({"splits": shards}))
     return {
-        "good_rows": int((~bad).sum()),
+        "good_rows": len(good),
         "split_rows": {name: len(part) for name, part in parts.items()},
     }
 
@@ -379,11 +385,15 @@ def run_polars(raw: Path, out: Path, engine: str = "in-memory") -> dict:
     files = sorted(raw.glob("part-*"))
     names = [f.name for f in schema.fields]
     if files[0].suffix == ".parquet":
-        text = pl.scan_parquet(files).select(pl.col(names).cast(pl.String))
+        text = pl.scan_parquet(files, include_file_paths="file")
+        text = text.select(pl.col(names).cast(pl.String), "file")
     else:
         # Every column as text (empty cells stay ""), so malformed values can be quarantined.
         text = pl.scan_csv(
-            files, schema=dict.fromkeys(names, pl.String), empty_string_is_null=False
+            files,
+            schema=dict.fromkeys(names, pl.String),
+            empty_string_is_null=False,
+            include_file_paths="file",
         )
 
     typed = {name: pl.col(name).cast(pl.Int64, strict=False) for name in INTS}
@@ -398,9 +408,15 @@ def run_polars(raw: Path, out: Path, engine: str = "in-memory") -> dict:
     checks += [pl.col(name).eq("") for name in ("city", "device", "category")]
     bad = pl.any_horizontal(checks).fill_null(True)
     quarantine = text.filter(bad).with_columns(reason=pl.lit("invalid"))
-    good = text.filter(~bad).select(
-        *[typed[name].alias(name) for name in INTS + FLOATS],
-        *[pl.col(name) for name in ("city", "device", "category")],
+    # A row equal (typed) to an earlier row of its file is a duplicate; the first is kept.
+    good = (
+        text.filter(~bad)
+        .select(
+            *[typed[name].alias(name) for name in INTS + FLOATS],
+            *[pl.col(name) for name in ("city", "device", "category", "file")],
+        )
+        .unique(keep="first", maintain_order=True)
+        .drop("file")
     )
     quarantine, good = pl.collect_all([quarantine, good], engine=engine)
     quarantine.write_parquet(out / "quarantine.parquet")
