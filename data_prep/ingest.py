@@ -419,7 +419,14 @@ def ingest_file(
     """
     out_dir = Path(out_dir)
     name = f"part-{part:05d}"
-    events = _RollingWriter(out_dir / "events", name, event_schema(schema), config.rows_per_file)
+    events = _RollingWriter(
+        out_dir / "events",
+        name,
+        event_schema(schema),
+        config.rows_per_file,
+        use_dictionary=_dictionary_paths(schema),
+        write_statistics=[f.name for f in schema.by_role("timestamp")],
+    )
     quarantine = _RollingWriter(
         out_dir / "quarantine", name, QUARANTINE_SCHEMA, config.rows_per_file
     )
@@ -606,14 +613,31 @@ class _ReplayFinder:
         return self._digests[url]
 
 
-class _RollingWriter:
-    """Writes tables into <name>-NNNNN.parquet files of at most ``rows_per_file`` rows."""
+def _dictionary_paths(schema: SchemaConfig) -> list[str]:
+    """Event columns worth dictionary-encoding: ids, codes and labels. Timestamps and
+    floats are mostly distinct, so trying a dictionary on them only costs time."""
+    paths = []
+    for spec in schema.fields:
+        if spec.dtype == "float64" or spec.role == "timestamp" or spec.generated is not None:
+            continue
+        paths.append(f"{spec.name}.list.element" if spec.multi_hot else spec.name)
+    return paths
 
-    def __init__(self, directory: Path, name: str, schema: pa.Schema, rows_per_file: int) -> None:
+
+class _RollingWriter:
+    """Writes tables into <name>-NNNNN.parquet files of at most ``rows_per_file`` rows.
+
+    Keyword options go to ``pyarrow.parquet.ParquetWriter``.
+    """
+
+    def __init__(
+        self, directory: Path, name: str, schema: pa.Schema, rows_per_file: int, **options
+    ) -> None:
         self.directory = directory
         self.name = name
         self.schema = schema
         self.rows_per_file = rows_per_file
+        self.options = options
         self.paths: list[Path] = []
         self._writer: pq.ParquetWriter | None = None
         self._rows_in_file = 0
@@ -632,7 +656,7 @@ class _RollingWriter:
         self.close()
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{self.name}-{len(self.paths):05d}.parquet"
-        self._writer = pq.ParquetWriter(path, self.schema)
+        self._writer = pq.ParquetWriter(path, self.schema, **self.options)
         self.paths.append(path)
         self._rows_in_file = 0
 
