@@ -39,13 +39,11 @@ through the package gives the scores the evaluate stage reported metrics of.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -65,8 +63,23 @@ from training.ctr.package import (
     with_unseen_records,
     write_scorer,
 )
-from training.packaging import PARITY_SPLIT, max_abs_diff
-from training.runtime.files import MODEL_CONFIG_FILE, SUMMARY_FILE, TRAIN_CONFIG_FILE, WEIGHTS_FILE
+from training.packaging import (
+    MODEL_CARD_FILE,
+    PARITY_SPLIT,
+    RUNTIME_FILES,
+    Parity,
+    ServedGraph,
+    check_files_exist,
+    max_abs_diff,
+    metrics_lines,
+    model_card,
+    model_section,
+    package_files,
+    parity_table,
+    read_metrics,
+    write_package,
+)
+from training.runtime.files import SUMMARY_FILE, TRAIN_CONFIG_FILE
 
 INPUT_NAMES = ("sparse", "dense")
 
@@ -168,90 +181,96 @@ def export_model(
             records differ from the evaluate stage's).
     """
     train_dir, out_dir = Path(train_dir), Path(out_dir)
-    for path in (transform_path, metrics_path):
-        if path is not None and not Path(path).is_file():
-            raise InputNotFoundError(f"{path} does not exist")
+    check_files_exist(transform_path, metrics_path)
     model, model_config = load_model(train_dir)
     meta = load_dataset_meta(shards_dir)
-    parity = _parity_inputs(shards_dir, meta, config.parity_rows)  # sparse, dense, multi-hot
-    input_names = _input_names(meta)
     scorer = ScoringModule(model).eval()
-    with torch.no_grad():
-        scores = scorer(*parity).numpy()  # (N,) or (N, T)
+    graph = _served_graph(scorer, meta, shards_dir, config.parity_rows)
+    (scores,) = graph.expected  # (N,) or (N, T)
+    parity = write_package(
+        graph,
+        out_dir,
+        opset=config.opset,
+        atol=config.parity_atol,
+        describe_failure=lambda parity: _parity_failure(parity, config.parity_atol),
+        parity_files={"scores": scores.astype(np.float32)},
+        train_dir=train_dir,
+        transform_path=transform_path,
+        signature=_signature(
+            config, meta, list(model_config["tasks"]), list(graph.input_names), len(scores)
+        ),
+        model_config=model_config,
+    )
+    write_scorer(out_dir)
+    infra = None
+    if events_dir is not None:
+        infra = _infra_validation(
+            config, scorer, meta, transform_path, shards_dir, events_dir, evaluate_dir, out_dir
+        )
+    card = _model_card(
+        config, meta, model_config, train_dir, read_metrics(metrics_path), parity, infra
+    )
+    (out_dir / MODEL_CARD_FILE).write_text(card)
+    return ExportResult(
+        out_dir=out_dir,
+        parity_max_abs_diff_onnx=parity.max_abs_diff_onnx,
+        parity_max_abs_diff_torchscript=parity.max_abs_diff_torchscript,
+        files=package_files(out_dir),
+        infra_validation=infra,
+    )
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "parity").mkdir(exist_ok=True)
-    # Trace on a slice smaller than the parity sample, so scoring the parity sample also
-    # checks that the batch axis is really dynamic.
-    example = tuple(tensor[:2] for tensor in parity)
-    onnx_path = out_dir / "model.onnx"
-    torch.onnx.export(
-        scorer,
-        example,
-        str(onnx_path),
-        input_names=input_names,
-        output_names=[OUTPUT_NAME],
+
+def _served_graph(
+    scorer: ScoringModule, meta: DatasetMeta, shards_dir: Path, rows: int
+) -> ServedGraph:
+    """The scorer on the first `rows` test rows, with the trained model's scores of them."""
+    sample = _parity_inputs(shards_dir, meta, rows)  # sparse, dense, multi-hot
+    with torch.no_grad():
+        scores = scorer(*sample).numpy()  # (N,) or (N, T)
+    input_names = _input_names(meta)
+    return ServedGraph(
+        module=scorer,
+        input_names=tuple(input_names),
+        output_names=(OUTPUT_NAME,),
+        sample=sample,
+        expected=(scores,),
+        # Traced on a slice smaller than the parity sample, so scoring the parity sample
+        # also checks that the batch axis is really dynamic.
+        example=tuple(tensor[:2] for tensor in sample),
         dynamic_axes={
             OUTPUT_NAME: {0: "batch"},
             **{name: {0: "batch"} for name in INPUT_NAMES},
             **{name: {0: "batch", 1: f"{name}_length"} for name in input_names[2:]},
         },
-        opset_version=config.opset,
-        dynamo=False,
     )
-    with torch.no_grad():
-        traced = torch.jit.trace(scorer, example)
-    ts_path = out_dir / "model.ts"
-    torch.jit.save(traced, str(ts_path))
 
-    inputs = {name: tensor.numpy() for name, tensor in zip(input_names, parity, strict=True)}
-    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    onnx_scores = session.run([OUTPUT_NAME], inputs)[0]
-    with torch.no_grad():
-        ts_scores = torch.jit.load(str(ts_path))(*parity).numpy()
-    diff_onnx = max_abs_diff(scores, onnx_scores)
-    diff_ts = max_abs_diff(scores, ts_scores)
-    if not (diff_onnx <= config.parity_atol and diff_ts <= config.parity_atol):
-        raise ParityError(
-            f"exported model differs from the trained model on {len(scores)} test rows: "
-            f"max |diff| ONNX {diff_onnx:.3g}, TorchScript {diff_ts:.3g} > parity_atol "
-            f"{config.parity_atol:g}; check the model for ops that export changes"
-        )
 
-    np.savez(out_dir / "parity" / "inputs.npz", **inputs)
-    np.save(out_dir / "parity" / "scores.npy", scores.astype(np.float32))
-    shutil.copyfile(train_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
-    (out_dir / MODEL_CONFIG_FILE).write_text(json.dumps(model_config, indent=2) + "\n")
-    shutil.copyfile(transform_path, out_dir / "transform.json")
-    signature = _signature(config, meta, list(model_config["tasks"]), input_names, len(scores))
-    (out_dir / "signature.json").write_text(json.dumps(signature, indent=2) + "\n")
-    write_scorer(out_dir)
-    infra = None
-    if events_dir is not None:
-        reference = _evaluate_reference(evaluate_dir) if evaluate_dir is not None else None
-        records, expected, test_rows = _validation_records(
-            config,
-            scorer,
-            meta,
-            transform_path,
-            shards_dir,
-            events_dir,
-            reference[0] if reference is not None else PARITY_SPLIT,
-        )
-        infra = _run_infra_validation(config, out_dir, records, expected, test_rows, reference)
-    metrics = json.loads(Path(metrics_path).read_text()) if metrics_path is not None else None
-    card = _model_card(
-        config, meta, model_config, train_dir, metrics, len(scores), diff_onnx, diff_ts, infra
+def _parity_failure(parity: Parity, atol: float) -> str:
+    return (
+        f"exported model differs from the trained model on {parity.rows} test rows: "
+        f"max |diff| ONNX {parity.max_abs_diff_onnx:.3g}, TorchScript "
+        f"{parity.max_abs_diff_torchscript:.3g} > parity_atol {atol:g}; check the model for "
+        "ops that export changes"
     )
-    (out_dir / "model_card.md").write_text(card)
-    files = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
-    return ExportResult(
-        out_dir=out_dir,
-        parity_max_abs_diff_onnx=diff_onnx,
-        parity_max_abs_diff_torchscript=diff_ts,
-        files=files,
-        infra_validation=infra,
+
+
+def _infra_validation(
+    config: ExportConfig,
+    scorer: ScoringModule,
+    meta: DatasetMeta,
+    transform_path: Path,
+    shards_dir: Path,
+    events_dir: Path,
+    evaluate_dir: Path | None,
+    out_dir: Path,
+) -> dict[str, Any]:
+    """Infra-validate the package on raw events (see `export_model`); the report."""
+    reference = _evaluate_reference(evaluate_dir) if evaluate_dir is not None else None
+    split = reference[0] if reference is not None else PARITY_SPLIT
+    records, expected, test_rows = _validation_records(
+        config, scorer, meta, transform_path, shards_dir, events_dir, split
     )
+    return _run_infra_validation(config, out_dir, records, expected, test_rows, reference)
 
 
 def _validation_records(
@@ -427,12 +446,7 @@ def _signature(
         ],
         "label": meta.label,
         "tasks": tasks,
-        "files": {
-            "onnx": "model.onnx",
-            "torchscript": "model.ts",
-            "transform": "transform.json",
-            "scorer": SCORER_FILE,
-        },
+        "files": {**RUNTIME_FILES, "scorer": SCORER_FILE},
         "parity": {
             "inputs": "parity/inputs.npz",
             "input_keys": input_names,
@@ -455,30 +469,32 @@ def _model_card(
     model_config: dict[str, Any],
     train_dir: Path,
     metrics: dict[str, Any] | None,
-    parity_rows: int,
-    diff_onnx: float,
-    diff_ts: float,
+    parity: Parity,
     infra: dict[str, Any] | None,
 ) -> str:
-    train_config = _read_json(train_dir / TRAIN_CONFIG_FILE)
-    summary = _read_json(train_dir / SUMMARY_FILE)
-    lines = [
-        f"# {config.model_name}",
-        "",
-        "## Model",
-        "",
-        f"CTR model ({'DLRM dot' if model_config['interaction'] == 'dot' else 'DCN-v2 cross'}"
-        f" interaction). Inputs `sparse` int64 (B, {len(meta.sparse)}), `dense` float32 "
-        f"(B, {len(meta.dense)})"
+    interaction = "DLRM dot" if model_config["interaction"] == "dot" else "DCN-v2 cross"
+    description = (
+        f"CTR model ({interaction} interaction). Inputs `sparse` int64 "
+        f"(B, {len(meta.sparse)}), `dense` float32 (B, {len(meta.dense)})"
         + "".join(f", `multi_hot_{name}` int64 (B, L)" for name in meta.multi_hot_names)
-        + f"; output `score` float32, the probability of {model_config['tasks']}.",
-        "",
-        "```json",
-        json.dumps(model_config, indent=2),
-        "```",
-        "",
-        "## Features",
-        "",
+        + f"; output `score` float32, the probability of {model_config['tasks']}."
+    )
+    return model_card(
+        config.model_name,
+        [
+            ("Model", model_section(description, model_config)),
+            ("Features", _features_lines(meta)),
+            ("Data", _data_lines(meta)),
+            ("Metrics", metrics_lines(metrics)),
+            ("Training", _training_lines(train_dir)),
+            ("Parity", _parity_lines(config, parity)),
+            ("Serving without recforge", _serving_lines(infra)),
+        ],
+    )
+
+
+def _features_lines(meta: DatasetMeta) -> list[str]:
+    return [
         "| input | position | feature | num_embeddings |",
         "|---|---|---|---|",
         *(f"| sparse | {i} | {f.name} | {f.num_embeddings} |" for i, f in enumerate(meta.sparse)),
@@ -486,48 +502,48 @@ def _model_card(
         *(f"| multi_hot_{f.name} | | {f.name} | {f.num_embeddings} |" for f in meta.multi_hot),
         "",
         "Raw values become model inputs through `transform.json`; index 0 is the OOV bucket.",
-        "",
-        "## Data",
-        "",
+    ]
+
+
+def _data_lines(meta: DatasetMeta) -> list[str]:
+    return [
         "| split | rows | files |",
         "|---|---|---|",
         *(
             f"| {name} | {split.rows} | {len(split.files)} |"
             for name, split in sorted(meta.splits.items())
         ),
-        "",
-        "## Metrics",
-        "",
     ]
-    if metrics is None:
-        lines.append("Not evaluated.")
-    else:
-        lines += ["| metric | value |", "|---|---|"]
-        lines += [f"| {key} | {value} |" for key, value in metrics.items()]
-    lines += ["", "## Training", ""]
+
+
+def _training_lines(train_dir: Path) -> list[str]:
+    """The recorded train config and train summary, as JSON blocks."""
+    train_config = _read_json(train_dir / TRAIN_CONFIG_FILE)
+    summary = _read_json(train_dir / SUMMARY_FILE)
     if train_config is None:
-        lines.append("Training config not recorded.")
+        lines = ["Training config not recorded."]
     else:
-        lines += ["```json", json.dumps(train_config, indent=2, sort_keys=True), "```"]
+        lines = ["```json", json.dumps(train_config, indent=2, sort_keys=True), "```"]
     if summary is not None:
         lines += ["", "```json", json.dumps(summary, indent=2, sort_keys=True), "```"]
-    lines += [
-        "",
-        "## Parity",
-        "",
-        f"Scores on the first {parity_rows} {PARITY_SPLIT} rows (`parity/`), compared with the "
+    return lines
+
+
+def _parity_lines(config: ExportConfig, parity: Parity) -> list[str]:
+    return [
+        f"Scores on the first {parity.rows} {PARITY_SPLIT} rows (`parity/`), compared with the "
         f"trained torch model (tolerance {config.parity_atol:g}):",
         "",
-        "| runtime | max abs diff |",
-        "|---|---|",
-        f"| onnxruntime (opset {config.opset}) | {diff_onnx:.3g} |",
-        f"| TorchScript | {diff_ts:.3g} |",
+        *parity_table(parity, config.opset),
         "",
         "Repeat it anywhere: `onnxruntime.InferenceSession('model.onnx').run(['score'], "
         "dict(np.load('parity/inputs.npz')))` against `np.load('parity/scores.npy')`.",
-        "",
-        "## Serving without recforge",
-        "",
+    ]
+
+
+def _serving_lines(infra: dict[str, Any] | None) -> list[str]:
+    """How to serve without recforge, and the infra validation figures."""
+    lines = [
         f"`{SCORER_FILE}` needs numpy and onnxruntime only: it maps raw records (dicts keyed "
         "by the raw field names, unseen ids and strings included) through `transform.json` "
         "and scores them with `model.onnx`. `from score import score_records`, or "
@@ -535,32 +551,31 @@ def _model_card(
         "",
     ]
     if infra is None:
-        lines += ["Infra validation: not run (no raw events given to export).", ""]
-    else:
-        lines += [
-            f"Infra validation (`{INFRA_VALIDATION_FILE}`): `{SCORER_FILE}` in a fresh "
-            f"interpreter (python -I, cwd = the package; imported no recforge module) scored "
-            f"{infra['rows']} raw records ({infra['test_records']} "
-            f"{infra.get('evaluate_split', PARITY_SPLIT)} rows, "
-            f"{infra['unseen_records']} with unseen ids) like the trained model:",
-            "",
-            "| figure | value |",
-            "|---|---|",
-            f"| max abs diff vs the trained model | {infra['max_abs_diff']:.3g} |",
-            *(
-                [
-                    f"| max abs diff vs the evaluate stage ({infra['evaluate_rows']} "
-                    f"{infra['evaluate_split']} rows) | {infra['max_abs_diff_vs_evaluate']:.3g} |"
-                ]
-                if "max_abs_diff_vs_evaluate" in infra
-                else []
-            ),
-            f"| p50 / p99 latency, one record per call | {infra['p50_ms']:.3f} / "
-            f"{infra['p99_ms']:.3f} ms |",
-            f"| p50 / p99 latency, {infra['rows']} records per call | "
-            f"{infra['batch_p50_ms']:.3f} / {infra['batch_p99_ms']:.3f} ms |",
-            f"| timed calls per figure | {infra['repetitions']} |",
-            f"| python / onnxruntime | {infra['python']} / {infra['onnxruntime']} |",
-            "",
+        return [*lines, "Infra validation: not run (no raw events given to export)."]
+    versus_evaluate = (
+        [
+            f"| max abs diff vs the evaluate stage ({infra['evaluate_rows']} "
+            f"{infra['evaluate_split']} rows) | {infra['max_abs_diff_vs_evaluate']:.3g} |"
         ]
-    return "\n".join(lines)
+        if "max_abs_diff_vs_evaluate" in infra
+        else []
+    )
+    return [
+        *lines,
+        f"Infra validation (`{INFRA_VALIDATION_FILE}`): `{SCORER_FILE}` in a fresh "
+        f"interpreter (python -I, cwd = the package; imported no recforge module) scored "
+        f"{infra['rows']} raw records ({infra['test_records']} "
+        f"{infra.get('evaluate_split', PARITY_SPLIT)} rows, "
+        f"{infra['unseen_records']} with unseen ids) like the trained model:",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| max abs diff vs the trained model | {infra['max_abs_diff']:.3g} |",
+        *versus_evaluate,
+        f"| p50 / p99 latency, one record per call | {infra['p50_ms']:.3f} / "
+        f"{infra['p99_ms']:.3f} ms |",
+        f"| p50 / p99 latency, {infra['rows']} records per call | "
+        f"{infra['batch_p50_ms']:.3f} / {infra['batch_p99_ms']:.3f} ms |",
+        f"| timed calls per figure | {infra['repetitions']} |",
+        f"| python / onnxruntime | {infra['python']} / {infra['onnxruntime']} |",
+    ]
