@@ -242,8 +242,7 @@ class _LineStream:
                 piece.decode("utf-8")
             except UnicodeDecodeError:
                 odd = True
-        odd = odd or piece.startswith((b"\n", b"\r\n")) or b"\n\n" in piece
-        odd = odd or b"\n\r\n" in piece
+        odd = odd or piece.startswith((b"\n", b"\r\n")) or _has_blank_line(piece)
         if not odd and len(piece) > self._max_line:
             # A newline in every half-window keeps every line shorter than a window.
             half = self._max_line // 2
@@ -287,6 +286,21 @@ class _LineStream:
         self._next_key += 1
         self.set_aside[key] = kept
         return _SET_ASIDE + str(key).encode()
+
+
+def _has_blank_line(piece: bytes) -> bool:
+    """Whether ``piece`` holds ``\\n\\n`` or ``\\n\\r\\n``.
+
+    From the newline positions: several times faster than bytes' own substring search,
+    which crawls on a needle of frequent characters.
+    """
+    data = np.frombuffer(piece, dtype=np.uint8)
+    newlines = np.flatnonzero(data == ord("\n"))
+    gaps = np.diff(newlines)
+    if (gaps == 1).any():
+        return True
+    carriage = newlines[:-1][gaps == 2] + 1
+    return bool((data[carriage] == ord("\r")).any())
 
 
 class _CsvReader:

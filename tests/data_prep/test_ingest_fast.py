@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from data_prep import ingest
+from data_prep import ingest, readers
 from data_prep.ingest import IngestConfig, ingest_logs
 from data_prep.schema import FieldSpec, SchemaConfig
 
@@ -125,3 +125,11 @@ def test_the_seen_rows_set_flags_every_repeat_but_the_first():
                 expected.append(value in seen)
                 seen.add(value)
             assert rows.add(batch).tolist() == expected
+
+
+def test_blank_line_search_agrees_with_the_substring_search():
+    rng = np.random.default_rng(2)
+    for _ in range(3_000):
+        piece = bytes(rng.choice(list(b"ab\r\n,"), size=int(rng.integers(0, 12))))
+        expected = b"\n\n" in piece or b"\n\r\n" in piece
+        assert readers._has_blank_line(piece) == expected, piece
