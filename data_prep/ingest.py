@@ -36,12 +36,15 @@ thread count or the number of files ingested at once.
 import hashlib
 import json
 import posixpath
+import queue
+import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import fsspec
 import numpy as np
@@ -81,6 +84,7 @@ QUARANTINE_SCHEMA = pa.schema(
         pa.field("record", pa.int64(), nullable=False),
     ]
 )
+T = TypeVar("T")
 _ARROW_TYPES = {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string()}
 
 
@@ -435,25 +439,33 @@ def ingest_file(
     reasons: Counter[str] = Counter()
     examples: list[dict] = []
     rows = good_rows = 0
+    batches = read_batches(
+        url,
+        fmt,
+        read_fields,
+        header=config.header,
+        delimiter=config.delimiter,
+        batch_rows=config.batch_rows,
+    )
+    # Three stages overlap: the next batch is parsed and the last one written while this
+    # one is validated, one batch in flight each (bounded memory, same order, same bytes).
+    writing: Future[None] | None = None
     try:
-        for batch in read_batches(
-            url,
-            fmt,
-            read_fields,
-            header=config.header,
-            delimiter=config.delimiter,
-            batch_rows=config.batch_rows,
-        ):
-            good, bad = validate_batch(batch, schema, url, record_offset, seen)
-            events.write(good)
-            quarantine.write(bad)
-            rows += batch.num_records
-            good_rows += good.num_rows
-            reasons.update(bad.column("reason").to_pylist())
-            if len(examples) < _EXAMPLES and bad.num_rows:
-                examples.extend(bad.slice(0, _EXAMPLES - len(examples)).to_pylist())
-            if on_progress:
-                on_progress(rows)
+        with ThreadPoolExecutor(max_workers=1) as writer:
+            for batch in _prefetched(batches):
+                good, bad = validate_batch(batch, schema, url, record_offset, seen)
+                if writing is not None:
+                    writing.result()
+                writing = writer.submit(_write_both, events, good, quarantine, bad)
+                rows += batch.num_records
+                good_rows += good.num_rows
+                reasons.update(bad.column("reason").to_pylist())
+                if len(examples) < _EXAMPLES and bad.num_rows:
+                    examples.extend(bad.slice(0, _EXAMPLES - len(examples)).to_pylist())
+                if on_progress:
+                    on_progress(rows)
+            if writing is not None:
+                writing.result()
     finally:
         events.close()
         quarantine.close()
@@ -467,6 +479,65 @@ def ingest_file(
         examples=examples,
         files=[str(p.relative_to(out_dir)) for p in events.paths + quarantine.paths],
     )
+
+
+def _write_both(
+    events: "_RollingWriter", good: pa.Table, quarantine: "_RollingWriter", bad: pa.Table
+) -> None:
+    events.write(good)
+    quarantine.write(bad)
+
+
+_DONE = object()
+
+
+def _prefetched(items: Iterator[T], depth: int = 1) -> Iterator[T]:
+    """Iterate ``items`` on a background thread, up to ``depth`` items ahead.
+
+    The reader parses the next batch (pyarrow releases the GIL) while the caller works on
+    this one. An exception in the reader is raised here; when the caller stops early the
+    reader stops too and closes ``items``.
+    """
+    handoff: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        handoff.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            handoff.put((_DONE, None))
+        except BaseException as error:  # handed to the consumer, which raises it
+            handoff.put((_DONE, error))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    thread = threading.Thread(target=produce, name="ingest-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = handoff.get()
+            if error is not None:
+                raise error
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                handoff.get(timeout=0.1)  # unblock a reader waiting to hand over
+            except queue.Empty:
+                pass
+        thread.join()
 
 
 def quarantine_replayed_file(

@@ -133,3 +133,30 @@ def test_blank_line_search_agrees_with_the_substring_search():
         piece = bytes(rng.choice(list(b"ab\r\n,"), size=int(rng.integers(0, 12))))
         expected = b"\n\n" in piece or b"\n\r\n" in piece
         assert readers._has_blank_line(piece) == expected, piece
+
+
+def test_prefetching_keeps_order_raises_the_readers_error_and_stops_early():
+    assert list(ingest._prefetched(iter(range(50)))) == list(range(50))
+
+    def failing():
+        yield 1
+        raise ValueError("bad block")
+
+    with pytest.raises(ValueError, match="bad block"):
+        list(ingest._prefetched(failing()))
+
+    closed = []
+
+    def endless():
+        try:
+            n = 0
+            while True:
+                yield n
+                n += 1
+        finally:
+            closed.append(True)
+
+    for item in ingest._prefetched(endless(), depth=2):
+        if item == 3:
+            break
+    assert closed == [True]
