@@ -21,33 +21,32 @@ the fitted transform file, the first rows of `<sequences_dir>/test.parquet` (`hi
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import onnx
-import onnxruntime
 import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from data_prep.errors import InputNotFoundError, ParityError
 from training.config import ExportConfig
-from training.packaging import PARITY_SPLIT, max_abs_diff
-from training.runtime.files import MODEL_CONFIG_FILE, WEIGHTS_FILE
+from training.packaging import (
+    PARITY_SPLIT,
+    RUNTIME_FILES,
+    Parity,
+    ServedGraph,
+    parity_table,
+    write_package,
+)
 from training.sequence.bst import BST, score_candidates
 from training.sequence.export import (
-    ITEM_IDS_FILE,
-    _index_meaning,
-    _item_ids,
-    _parity_histories,
-    load_sequence_model,
-    metrics_lines,
+    ItemIndex,
+    finish_package,
+    load_package_inputs,
+    sequence_model_card,
 )
 
+MODEL_KIND = "bst"
 INPUT_NAMES = ("history", "candidates")
 OUTPUT_NAME = "scores"
 PARITY_NEGATIVES = 20
@@ -123,79 +122,69 @@ def export_bst_model(
             model disagree.
         ParityError: ONNX or TorchScript probabilities differ by more than parity_atol.
     """
-    train_dir, out_dir = Path(train_dir), Path(out_dir)
-    for path in (transform_path, metrics_path):
-        if path is not None and not Path(path).is_file():
-            raise InputNotFoundError(f"{path} does not exist")
-    model, model_config = load_sequence_model(train_dir, kind="bst")
-    num_items, max_length = model_config["num_items"], model_config["max_length"]
-    transform = json.loads(Path(transform_path).read_text())
-    item_ids = _item_ids(transform, item_field, num_items, Path(transform_path))
-    history = _parity_histories(Path(sequences_dir), config.parity_rows, max_length, num_items)
-    candidates = _parity_candidates(Path(sequences_dir), len(history), num_items)
+    out_dir = Path(out_dir)
+    inputs = load_package_inputs(
+        config, train_dir, transform_path, sequences_dir, item_field, metrics_path, MODEL_KIND
+    )
+    num_items = inputs.model_config["num_items"]
+    candidates = _parity_candidates(Path(sequences_dir), len(inputs.history), num_items)
+    graph = _served_graph(inputs.model, inputs.history, candidates)
+    parity = write_package(
+        graph,
+        out_dir,
+        opset=config.opset,
+        atol=config.parity_atol,
+        describe_failure=lambda parity: _parity_failure(
+            parity, candidates.shape[1], config.parity_atol
+        ),
+        parity_files={OUTPUT_NAME: graph.expected[0]},
+        train_dir=Path(train_dir),
+        transform_path=transform_path,
+        signature=_signature(config, inputs.model_config, inputs.items),
+    )
+    card = sequence_model_card(
+        config,
+        inputs,
+        _model_description(inputs.model_config),
+        _parity_lines(config, parity),
+    )
+    return BSTExportResult(
+        out_dir=out_dir,
+        parity_rows=parity.rows,
+        parity_max_abs_diff_onnx=parity.max_abs_diff_onnx,
+        parity_max_abs_diff_torchscript=parity.max_abs_diff_torchscript,
+        files=finish_package(out_dir, inputs.items, card),
+    )
+
+
+def _served_graph(model: BST, history: torch.Tensor, candidates: torch.Tensor) -> ServedGraph:
+    """The candidate scorer on the parity sample, with the trained model's probabilities."""
     scorer = CandidateScorer(model).eval()
     with torch.no_grad():
-        expected = scorer(history, candidates).numpy()  # (N, C)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "parity").mkdir(exist_ok=True)
-    # Traced on 2 rows and 3 candidates: scoring the parity sample checks both dynamic axes.
-    example = (history[torch.arange(2) % len(history)], candidates[:1, :3].expand(2, 3))
-    onnx_path = out_dir / "model.onnx"
-    torch.onnx.export(
-        scorer,
-        example,
-        str(onnx_path),
-        input_names=list(INPUT_NAMES),
-        output_names=[OUTPUT_NAME],
+        expected = scorer(history, candidates).numpy()  # (N, C) float32
+    return ServedGraph(
+        module=scorer,
+        input_names=INPUT_NAMES,
+        output_names=(OUTPUT_NAME,),
+        sample=(history, candidates),
+        expected=(expected,),
+        # Traced on 2 rows and 3 candidates: scoring the parity sample checks both
+        # dynamic axes.
+        example=(history[torch.arange(2) % len(history)], candidates[:1, :3].expand(2, 3)),
         dynamic_axes={
             "history": {0: "batch"},
             "candidates": {0: "batch", 1: "candidates"},
             OUTPUT_NAME: {0: "batch", 1: "candidates"},
         },
-        opset_version=config.opset,
-        dynamo=False,
     )
-    onnx.checker.check_model(str(onnx_path))
-    with torch.no_grad():
-        traced = torch.jit.trace(scorer, example)
-    ts_path = out_dir / "model.ts"
-    torch.jit.save(traced, str(ts_path))
 
-    inputs = {"history": history.numpy(), "candidates": candidates.numpy()}
-    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    onnx_scores = session.run([OUTPUT_NAME], inputs)[0]
-    with torch.no_grad():
-        ts_scores = torch.jit.load(str(ts_path))(history, candidates).numpy()
-    diff_onnx = max_abs_diff(expected, onnx_scores)
-    diff_ts = max_abs_diff(expected, ts_scores)
-    if not (diff_onnx <= config.parity_atol and diff_ts <= config.parity_atol):
-        raise ParityError(
-            f"exported BST differs from the trained model on {len(history)} {PARITY_SPLIT} "
-            f"histories x {candidates.shape[1]} candidates: max |diff| ONNX {diff_onnx:.3g}, "
-            f"TorchScript {diff_ts:.3g} > parity_atol {config.parity_atol:g}"
-        )
 
-    np.savez(out_dir / "parity" / "inputs.npz", **inputs)
-    np.save(out_dir / "parity" / "scores.npy", expected.astype(np.float32))
-    shutil.copyfile(train_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
-    shutil.copyfile(train_dir / MODEL_CONFIG_FILE, out_dir / MODEL_CONFIG_FILE)
-    shutil.copyfile(transform_path, out_dir / "transform.json")
-    if item_ids is not None:
-        (out_dir / ITEM_IDS_FILE).write_text(json.dumps(item_ids) + "\n")
-    item_kind = transform["sparse"][item_field]["kind"]
-    signature = _signature(config, model_config, item_field, item_kind)
-    (out_dir / "signature.json").write_text(json.dumps(signature, indent=2) + "\n")
-    metrics = json.loads(Path(metrics_path).read_text()) if metrics_path is not None else None
-    card = _model_card(config, model_config, signature, metrics, len(history), diff_onnx, diff_ts)
-    (out_dir / "model_card.md").write_text(card)
-    files = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
-    return BSTExportResult(
-        out_dir=out_dir,
-        parity_rows=len(history),
-        parity_max_abs_diff_onnx=diff_onnx,
-        parity_max_abs_diff_torchscript=diff_ts,
-        files=files,
+def _parity_failure(parity: Parity, num_candidates: int, atol: float) -> str:
+    return (
+        f"exported BST differs from the trained model on {parity.rows} {PARITY_SPLIT} "
+        f"histories x {num_candidates} candidates: max |diff| ONNX "
+        f"{parity.max_abs_diff_onnx:.3g}, TorchScript {parity.max_abs_diff_torchscript:.3g} "
+        f"> parity_atol {atol:g}"
     )
 
 
@@ -213,12 +202,12 @@ def _parity_candidates(sequences_dir: Path, rows: int, num_items: int) -> torch.
 
 
 def _signature(
-    config: ExportConfig, model_config: dict[str, Any], item_field: str, item_kind: str
+    config: ExportConfig, model_config: dict[str, Any], items: ItemIndex
 ) -> dict[str, Any]:
     max_length = model_config["max_length"]
     return {
         "model_name": config.model_name,
-        "model": "bst",
+        "model": MODEL_KIND,
         "inputs": [
             {
                 "name": "history",
@@ -244,58 +233,24 @@ def _signature(
         ],
         "max_length": max_length,
         "padding_item": 0,
-        "items": {
-            "field": item_field,
-            "kind": item_kind,
-            "index_to_id": ITEM_IDS_FILE if item_kind == "vocab" else None,
-            "description": _index_meaning(item_field, item_kind),
-        },
-        "files": {"onnx": "model.onnx", "torchscript": "model.ts", "transform": "transform.json"},
+        "items": items.signature(),
+        "files": dict(RUNTIME_FILES),
     }
 
 
-def _model_card(
-    config: ExportConfig,
-    model_config: dict[str, Any],
-    signature: dict[str, Any],
-    metrics: dict[str, Any] | None,
-    parity_rows: int,
-    diff_onnx: float,
-    diff_ts: float,
-) -> str:
-    lines = [
-        f"# {config.model_name}",
-        "",
-        "## Model",
-        "",
+def _model_description(model_config: dict[str, Any]) -> str:
+    return (
         f"BST (Behavior Sequence Transformer) candidate scorer: {model_config['num_blocks']} "
         f"Transformer blocks over the last {model_config['max_length']} items with the "
         "candidate appended; inputs `history` and `candidates`, output `scores` "
-        "(click probabilities).",
-        "",
-        "```json",
-        json.dumps(model_config, indent=2),
-        "```",
-        "",
-        "## Items",
-        "",
-        signature["items"]["description"],
-        "",
-        "## Metrics",
-        "",
-    ]
-    lines += metrics_lines(metrics)
-    lines += [
-        "",
-        "## Parity",
-        "",
-        f"{parity_rows} {PARITY_SPLIT} histories x {1 + PARITY_NEGATIVES} candidates "
+        "(click probabilities)."
+    )
+
+
+def _parity_lines(config: ExportConfig, parity: Parity) -> list[str]:
+    return [
+        f"{parity.rows} {PARITY_SPLIT} histories x {1 + PARITY_NEGATIVES} candidates "
         f"(`parity/`), compared with the trained torch model (tolerance {config.parity_atol:g}).",
         "",
-        "| runtime | max abs diff |",
-        "|---|---|",
-        f"| onnxruntime (opset {config.opset}) | {diff_onnx:.3g} |",
-        f"| TorchScript | {diff_ts:.3g} |",
-        "",
+        *parity_table(parity, config.opset),
     ]
-    return "\n".join(lines)

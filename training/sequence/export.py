@@ -31,37 +31,41 @@ stay in `out_dir`, which the caller treats as a failed staging directory).
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
-import onnxruntime
 import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from data_prep.errors import ConfigError, InputNotFoundError, ParityError, SchemaError
+from data_prep.errors import ConfigError, InputNotFoundError, SchemaError
 from training.config import ExportConfig
-from training.packaging import PARITY_SPLIT, max_abs_diff
-from training.runtime.files import MODEL_CONFIG_FILE, WEIGHTS_FILE
-from training.sequence.bst import BST
+from training.packaging import (
+    MODEL_CARD_FILE,
+    PARITY_SPLIT,
+    RUNTIME_FILES,
+    Parity,
+    ServedGraph,
+    check_files_exist,
+    metrics_lines,
+    model_card,
+    model_section,
+    package_files,
+    parity_table,
+    read_metrics,
+    read_model_files,
+    write_package,
+)
+from training.sequence.registry import SEQUENCE_MODEL_REGISTRY
 from training.sequence.sasrec import PADDING_ITEM, SASRec
 
 MODEL_KIND = "sasrec"
 INPUT_NAME = "history"
 OUTPUT_NAMES = ("items", "scores")
 ITEM_IDS_FILE = "item_ids.json"
-# The constructor arguments of each model, which model_config.json holds beside "model".
-_SASREC_ARGS = ("num_items", "max_length", "hidden_dim", "num_blocks", "num_heads", "dropout")
-# model -> (class, required arguments, optional arguments)
-_MODELS: dict[str, tuple[type[nn.Module], tuple[str, ...], tuple[str, ...]]] = {
-    "sasrec": (SASRec, _SASREC_ARGS, ("item_features",)),
-    "bst": (BST, (*_SASREC_ARGS, "mlp"), ()),
-}
 
 
 @dataclass(frozen=True)
@@ -88,12 +92,16 @@ class SequenceExportResult:
     files: list[str]
 
 
-def load_sequence_model(train_dir: Path, kind: str = MODEL_KIND) -> tuple[Any, dict[str, Any]]:
+def load_sequence_model(
+    train_dir: Path, kind: str | None = MODEL_KIND
+) -> tuple[Any, dict[str, Any]]:
     """Rebuild a trained sequence model from `model_config.json` and `model.safetensors`.
 
     Args:
         train_dir: The train stage's output directory.
-        kind: The model the caller handles: "sasrec" (a `SASRec`) or "bst" (a `BST`).
+        kind: The model the caller handles ("sasrec", "bst": a name of
+            `SEQUENCE_MODEL_REGISTRY`), or None for whichever registered model the
+            config describes.
 
     Returns:
         (model in fp32 eval mode, its model config dict).
@@ -104,19 +112,17 @@ def load_sequence_model(train_dir: Path, kind: str = MODEL_KIND) -> tuple[Any, d
             or the weights do not fit it.
         ConfigError: The config's architecture is invalid (see `SASRec`, `BST`).
     """
-    config_path = Path(train_dir) / MODEL_CONFIG_FILE
-    weights_path = Path(train_dir) / WEIGHTS_FILE
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise InputNotFoundError(f"{path} does not exist; run the train stage first")
-    model_config = json.loads(config_path.read_text())
-    if not isinstance(model_config, dict) or model_config.get("model") != kind:
-        found = model_config.get("model") if isinstance(model_config, dict) else None
+    model_config, config_path, weights_path = read_model_files(train_dir)
+    found = model_config.get("model") if isinstance(model_config, dict) else None
+    wanted = [kind] if kind is not None else sorted(SEQUENCE_MODEL_REGISTRY)
+    if found not in wanted:
         raise SchemaError(
-            f"{config_path} describes model {found!r}, not {kind!r}; export CTR models "
+            f"{config_path} describes model {found!r}, not "
+            f"{repr(kind) if kind is not None else f'one of {wanted}'}; export CTR models "
             "with training.ctr.export.export_model, BST with training.sequence.bst_export"
         )
-    model_class, required, optional = _MODELS[kind]
+    entry = SEQUENCE_MODEL_REGISTRY[found]
+    required, optional = entry.config_keys, entry.optional_config_keys
     missing = {"model", *required} - set(model_config)
     unknown = set(model_config) - {"model", *required, *optional}
     if missing or unknown:
@@ -124,7 +130,7 @@ def load_sequence_model(train_dir: Path, kind: str = MODEL_KIND) -> tuple[Any, d
             f"{config_path}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; "
             f"it holds {sorted(required)} and optionally {sorted(optional)}"
         )
-    model = model_class(**{k: v for k, v in model_config.items() if k != "model"})
+    model = entry.build_model(model_config)
     try:
         model.load_state_dict(load_file(weights_path), strict=True)
     except RuntimeError as error:
@@ -273,88 +279,201 @@ def export_sequence_model(
         ParityError: ONNX or TorchScript return other top-K items than the reference for
             some row, or scores further than parity_atol from it.
     """
-    train_dir, out_dir = Path(train_dir), Path(out_dir)
-    for path in (transform_path, metrics_path):
-        if path is not None and not Path(path).is_file():
-            raise InputNotFoundError(f"{path} does not exist")
-    model, model_config = load_sequence_model(train_dir)
-    num_items, max_length = model_config["num_items"], model_config["max_length"]
-    transform = json.loads(Path(transform_path).read_text())
-    item_ids = _item_ids(transform, item_field, num_items, Path(transform_path))
-    history = _parity_histories(Path(sequences_dir), config.parity_rows, max_length, num_items)
-    scorer = TopKScorer(model, k).eval()
-    expected_items, expected_scores = reference_top_k(model, history, k)  # (N, K) each
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "parity").mkdir(exist_ok=True)
-    # Trace on 2 rows (repeated if the sample has 1), fewer than the parity sample in
-    # general, so scoring the sample also checks that the batch axis is really dynamic.
-    example = history[torch.arange(2) % len(history)]
-    onnx_path = out_dir / "model.onnx"
-    torch.onnx.export(
-        scorer,
-        (example,),
-        str(onnx_path),
-        input_names=[INPUT_NAME],
-        output_names=list(OUTPUT_NAMES),
-        dynamic_axes={name: {0: "batch"} for name in (INPUT_NAME, *OUTPUT_NAMES)},
-        opset_version=config.opset,
-        dynamo=False,
+    out_dir = Path(out_dir)
+    inputs = load_package_inputs(
+        config, train_dir, transform_path, sequences_dir, item_field, metrics_path, MODEL_KIND
     )
-    onnx.checker.check_model(str(onnx_path))
-    with torch.no_grad():
-        traced = torch.jit.trace(scorer, (example,))
-    ts_path = out_dir / "model.ts"
-    torch.jit.save(traced, str(ts_path))
-
-    inputs = {INPUT_NAME: history.numpy()}
-    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    onnx_items, onnx_scores = session.run(list(OUTPUT_NAMES), inputs)
-    with torch.no_grad():
-        ts_items, ts_scores = (t.numpy() for t in torch.jit.load(str(ts_path))(history))
-    rows = len(history)
-    differ_onnx = _rows_differing(expected_items, onnx_items)
-    differ_ts = _rows_differing(expected_items, ts_items)
-    diff_onnx = max_abs_diff(expected_scores, onnx_scores)
-    diff_ts = max_abs_diff(expected_scores, ts_scores)
-    scores_close = diff_onnx <= config.parity_atol and diff_ts <= config.parity_atol  # NaN: False
-    if differ_onnx or differ_ts or not scores_close:
-        raise ParityError(
-            f"exported top-{k} lists disagree with the trained model on the {rows} "
-            f"{PARITY_SPLIT} histories checked: ONNX {differ_onnx} rows with other item ids, "
-            f"max |score diff| "
-            f"{diff_onnx:.3g}; TorchScript {differ_ts} rows, max |score diff| {diff_ts:.3g} "
-            f"(parity_atol {config.parity_atol:g}); check the model for ops that export "
-            "changes, or for near-tied scores"
-        )
-
-    np.savez(out_dir / "parity" / "inputs.npz", **inputs)
-    np.save(out_dir / "parity" / "items.npy", expected_items)
-    np.save(out_dir / "parity" / "scores.npy", expected_scores)
-    shutil.copyfile(train_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
-    shutil.copyfile(train_dir / MODEL_CONFIG_FILE, out_dir / MODEL_CONFIG_FILE)
-    shutil.copyfile(transform_path, out_dir / "transform.json")
-    if item_ids is not None:
-        (out_dir / ITEM_IDS_FILE).write_text(json.dumps(item_ids) + "\n")
-    item_kind = transform["sparse"][item_field]["kind"]
-    signature = _signature(config, model_config, k, item_field, item_kind)
-    (out_dir / "signature.json").write_text(json.dumps(signature, indent=2) + "\n")
-    metrics = json.loads(Path(metrics_path).read_text()) if metrics_path is not None else None
-    match_onnx, match_ts = 1.0 - differ_onnx / rows, 1.0 - differ_ts / rows
-    card = _model_card(
-        config, model_config, k, item_field, item_kind, metrics, rows, diff_onnx, diff_ts
+    graph = _served_graph(inputs.model, inputs.history, k)
+    parity = write_package(
+        graph,
+        out_dir,
+        opset=config.opset,
+        atol=config.parity_atol,
+        describe_failure=lambda parity: _parity_failure(parity, k, config.parity_atol),
+        parity_files=dict(zip(OUTPUT_NAMES, graph.expected, strict=True)),
+        train_dir=Path(train_dir),
+        transform_path=transform_path,
+        signature=_signature(config, inputs.model_config, k, inputs.items),
     )
-    (out_dir / "model_card.md").write_text(card)
-    files = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
+    description = _model_description(inputs.model_config, k)
+    parity_lines = [
+        f"Top {k} on the first {parity.rows} {PARITY_SPLIT} histories (`parity/`), compared "
+        f"with the trained torch model: item ids exactly, scores within {config.parity_atol:g}.",
+        "",
+        *parity_table(parity, config.opset, exact_column="rows with identical top-K"),
+    ]
+    card = sequence_model_card(config, inputs, description, parity_lines)
+    files = finish_package(out_dir, inputs.items, card)
     return SequenceExportResult(
         out_dir=out_dir,
-        parity_rows=rows,
-        top_k_match_onnx=match_onnx,
-        top_k_match_torchscript=match_ts,
-        parity_max_abs_diff_onnx=diff_onnx,
-        parity_max_abs_diff_torchscript=diff_ts,
+        parity_rows=parity.rows,
+        top_k_match_onnx=1.0 - parity.rows_differing_onnx / parity.rows,
+        top_k_match_torchscript=1.0 - parity.rows_differing_torchscript / parity.rows,
+        parity_max_abs_diff_onnx=parity.max_abs_diff_onnx,
+        parity_max_abs_diff_torchscript=parity.max_abs_diff_torchscript,
         files=files,
     )
+
+
+def _served_graph(model: SASRec, history: torch.Tensor, k: int) -> ServedGraph:
+    """The top-K scorer on the parity histories, with the independent reference top K."""
+    scorer = TopKScorer(model, k).eval()
+    expected_items, expected_scores = reference_top_k(model, history, k)  # (N, K) each
+    return ServedGraph(
+        module=scorer,
+        input_names=(INPUT_NAME,),
+        output_names=OUTPUT_NAMES,
+        sample=(history,),
+        expected=(expected_items, expected_scores),
+        # Trace on 2 rows (repeated if the sample has 1), fewer than the parity sample in
+        # general, so scoring the sample also checks that the batch axis is really dynamic.
+        example=(history[torch.arange(2) % len(history)],),
+        dynamic_axes={name: {0: "batch"} for name in (INPUT_NAME, *OUTPUT_NAMES)},
+        exact=frozenset({OUTPUT_NAMES[0]}),
+    )
+
+
+def _parity_failure(parity: Parity, k: int, atol: float) -> str:
+    return (
+        f"exported top-{k} lists disagree with the trained model on the {parity.rows} "
+        f"{PARITY_SPLIT} histories checked: ONNX {parity.rows_differing_onnx} rows with other "
+        f"item ids, max |score diff| {parity.max_abs_diff_onnx:.3g}; TorchScript "
+        f"{parity.rows_differing_torchscript} rows, max |score diff| "
+        f"{parity.max_abs_diff_torchscript:.3g} (parity_atol {atol:g}); check the model for "
+        "ops that export changes, or for near-tied scores"
+    )
+
+
+@dataclass(frozen=True)
+class ItemIndex:
+    """How a sequence model's item indices map to the raw ids of the item field.
+
+    Attributes:
+        field: The schema's item field.
+        kind: "vocab" (index i >= 1 is the vocabulary's value i - 1) or "hash".
+        ids: The raw id of every index (None at index 0) for a vocabulary, else None.
+    """
+
+    field: str
+    kind: str
+    ids: list[Any] | None
+
+    def description(self) -> str:
+        """The model card's and signature's sentence about the item indices."""
+        if self.kind == "vocab":
+            return (
+                f"Item indices are the vocabulary of `{self.field}` in transform.json: index "
+                f"i >= 1 is raw id `item_ids.json[i]` (= `sparse.{self.field}.values[i - 1]`); "
+                "index 0 is padding and out-of-vocabulary."
+            )
+        return (
+            f"Item indices are hash buckets of `{self.field}` (see `hash` in transform.json); "
+            "several raw ids may share a bucket and there is no inverse mapping. Index 0 is "
+            "padding."
+        )
+
+    def signature(self) -> dict[str, Any]:
+        """The signature's "items" entry."""
+        return {
+            "field": self.field,
+            "kind": self.kind,
+            "index_to_id": ITEM_IDS_FILE if self.kind == "vocab" else None,
+            "description": self.description(),
+        }
+
+
+@dataclass(frozen=True)
+class PackageInputs:
+    """What a sequence package is made from, loaded and checked (`load_package_inputs`).
+
+    Attributes:
+        model: The trained model, fp32, eval mode.
+        model_config: Its model_config.json.
+        items: The item field's index -> raw id mapping.
+        history: (N, max_length) int64 parity histories, left-padded with 0.
+        metrics: The evaluation's metrics, or None.
+    """
+
+    model: Any
+    model_config: dict[str, Any]
+    items: ItemIndex
+    history: torch.Tensor
+    metrics: dict[str, Any] | None
+
+
+def load_package_inputs(
+    config: ExportConfig,
+    train_dir: Path,
+    transform_path: Path,
+    sequences_dir: Path,
+    item_field: str,
+    metrics_path: Path | None,
+    kind: str,
+) -> PackageInputs:
+    """Load the model, the item mapping, the parity histories and the metrics.
+
+    Args:
+        config: The export config (parity_rows).
+        train_dir: The train stage's output.
+        transform_path: The fitted transform file.
+        sequences_dir: Preprocess's `sequences/` (test.parquet).
+        item_field: The schema's item field.
+        metrics_path: The evaluation's metrics.json, or None.
+        kind: The model the caller packages (a `SEQUENCE_MODEL_REGISTRY` name).
+
+    Returns:
+        The loaded inputs.
+
+    Raises:
+        InputNotFoundError: A model file, the transform, the metrics or test.parquet is
+            missing.
+        SchemaError: The model is not `kind`, or the transform, the sequences and the
+            model disagree (see `load_sequence_model`, `parity_histories`).
+    """
+    check_files_exist(transform_path, metrics_path)
+    model, model_config = load_sequence_model(Path(train_dir), kind=kind)
+    num_items, max_length = model_config["num_items"], model_config["max_length"]
+    transform = json.loads(Path(transform_path).read_text())
+    ids = _item_ids(transform, item_field, num_items, Path(transform_path))
+    items = ItemIndex(item_field, transform["sparse"][item_field]["kind"], ids)
+    history = parity_histories(Path(sequences_dir), config.parity_rows, max_length, num_items)
+    return PackageInputs(model, model_config, items, history, read_metrics(metrics_path))
+
+
+def sequence_model_card(
+    config: ExportConfig,
+    inputs: PackageInputs,
+    description: str,
+    parity_lines: list[str],
+) -> str:
+    """A sequence package's model card: model, items, metrics, parity.
+
+    Args:
+        config: The export config (model_name).
+        inputs: The package's inputs (model config, items, metrics).
+        description: The "Model" section's sentence.
+        parity_lines: The "Parity" section.
+
+    Returns:
+        The markdown text.
+    """
+    return model_card(
+        config.model_name,
+        [
+            ("Model", model_section(description, inputs.model_config)),
+            ("Items", [inputs.items.description()]),
+            ("Metrics", metrics_lines(inputs.metrics)),
+            ("Parity", parity_lines),
+        ],
+    )
+
+
+def finish_package(out_dir: Path, items: ItemIndex, card: str) -> list[str]:
+    """Write item_ids.json (vocabulary items) and model_card.md; the package's files."""
+    if items.ids is not None:
+        (out_dir / ITEM_IDS_FILE).write_text(json.dumps(items.ids) + "\n")
+    (out_dir / MODEL_CARD_FILE).write_text(card)
+    return package_files(out_dir)
 
 
 def _item_ids(
@@ -384,10 +503,16 @@ def _item_ids(
     return [None, *entry["values"]] if kind == "vocab" else None
 
 
-def _parity_histories(
+def parity_histories(
     sequences_dir: Path, rows: int, max_length: int, num_items: int
 ) -> torch.Tensor:
-    """The first `rows` test histories, padded: (N, max_length) int64, N >= 1."""
+    """The first `rows` test histories, padded: (N, max_length) int64, N >= 1.
+
+    Raises:
+        InputNotFoundError: test.parquet is missing.
+        SchemaError: It has no history column, no rows, or item indices outside
+            [0, num_items).
+    """
     path = sequences_dir / f"{PARITY_SPLIT}.parquet"
     if not path.is_file():
         raise InputNotFoundError(f"{path} does not exist; run the preprocess stage first")
@@ -413,28 +538,19 @@ def _parity_histories(
     return history
 
 
-def _rows_differing(expected: np.ndarray, actual: np.ndarray) -> int:
-    """Rows whose top-K item ids are not exactly the expected ones (all, if shapes differ)."""
-    if expected.shape != actual.shape:
-        return len(expected)
-    return int((expected != actual).any(axis=1).sum())
-
-
-def _index_meaning(item_field: str, item_kind: str) -> str:
-    if item_kind == "vocab":
-        return (
-            f"Item indices are the vocabulary of `{item_field}` in transform.json: index i >= 1 "
-            f"is raw id `item_ids.json[i]` (= `sparse.{item_field}.values[i - 1]`); index 0 is "
-            "padding and out-of-vocabulary."
-        )
+def _model_description(model_config: dict[str, Any], k: int) -> str:
+    max_length = model_config["max_length"]
     return (
-        f"Item indices are hash buckets of `{item_field}` (see `hash` in transform.json); "
-        "several raw ids may share a bucket and there is no inverse mapping. Index 0 is padding."
+        f"SASRec next-item recommender ({model_config['num_blocks']} causal Transformer "
+        f"blocks over the last {max_length} items, {model_config['num_items']} item indices). "
+        f"Input `{INPUT_NAME}` int64 (B, {max_length}): item indices oldest first, left-padded "
+        f"with {PADDING_ITEM}. Outputs `items` int64 (B, {k}) and `scores` float32 (B, {k}): "
+        "the top items best first, excluding padding and the items of the history."
     )
 
 
 def _signature(
-    config: ExportConfig, model_config: dict[str, Any], k: int, item_field: str, item_kind: str
+    config: ExportConfig, model_config: dict[str, Any], k: int, items: ItemIndex
 ) -> dict[str, Any]:
     max_length = model_config["max_length"]
     return {
@@ -469,69 +585,6 @@ def _signature(
         "k": k,
         "max_length": max_length,
         "padding_item": PADDING_ITEM,
-        "items": {
-            "field": item_field,
-            "kind": item_kind,
-            "index_to_id": ITEM_IDS_FILE if item_kind == "vocab" else None,
-            "description": _index_meaning(item_field, item_kind),
-        },
-        "files": {"onnx": "model.onnx", "torchscript": "model.ts", "transform": "transform.json"},
+        "items": items.signature(),
+        "files": dict(RUNTIME_FILES),
     }
-
-
-def metrics_lines(metrics: dict[str, Any] | None) -> list[str]:
-    """The model card's metrics as markdown table lines ("Not evaluated." without any)."""
-    if metrics is None:
-        return ["Not evaluated."]
-    return ["| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in metrics.items())]
-
-
-def _model_card(
-    config: ExportConfig,
-    model_config: dict[str, Any],
-    k: int,
-    item_field: str,
-    item_kind: str,
-    metrics: dict[str, Any] | None,
-    parity_rows: int,
-    diff_onnx: float,
-    diff_ts: float,
-) -> str:
-    max_length = model_config["max_length"]
-    lines = [
-        f"# {config.model_name}",
-        "",
-        "## Model",
-        "",
-        f"SASRec next-item recommender ({model_config['num_blocks']} causal Transformer "
-        f"blocks over the last {max_length} items, {model_config['num_items']} item indices). "
-        f"Input `{INPUT_NAME}` int64 (B, {max_length}): item indices oldest first, left-padded "
-        f"with {PADDING_ITEM}. Outputs `items` int64 (B, {k}) and `scores` float32 (B, {k}): "
-        "the top items best first, excluding padding and the items of the history.",
-        "",
-        "```json",
-        json.dumps(model_config, indent=2),
-        "```",
-        "",
-        "## Items",
-        "",
-        _index_meaning(item_field, item_kind),
-        "",
-        "## Metrics",
-        "",
-    ]
-    lines += metrics_lines(metrics)
-    lines += [
-        "",
-        "## Parity",
-        "",
-        f"Top {k} on the first {parity_rows} {PARITY_SPLIT} histories (`parity/`), compared "
-        f"with the trained torch model: item ids exactly, scores within {config.parity_atol:g}.",
-        "",
-        "| runtime | rows with identical top-K | max abs score diff |",
-        "|---|---|---|",
-        f"| onnxruntime (opset {config.opset}) | {parity_rows} / {parity_rows} | {diff_onnx:.3g} |",
-        f"| TorchScript | {parity_rows} / {parity_rows} | {diff_ts:.3g} |",
-        "",
-    ]
-    return "\n".join(lines)

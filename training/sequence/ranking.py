@@ -12,9 +12,11 @@ Item 0 is the padding/OOV index and is never a candidate. Ranks are 0-based and
 ties are counted pessimistically (the target loses every tie), so a constant scorer
 scores zero instead of looking perfect. HR@K, NDCG@K and MRR follow from the ranks.
 
-Pure numpy and no I/O: the model is reached only through a `score_fn` callable,
-which may run torch inside. Users are processed in blocks of `block_users`, so
-memory is bounded by the block, not by the number of users.
+No I/O: the model is reached only through a `score_fn` callable. The protocols are
+pure numpy; the model adapters at the end (`state_score_fn` for models that score
+items against a user state, `candidate_score_fn` for models that score each
+candidate with the history, BST) run torch inside a score_fn. Users are processed in
+blocks of `block_users`, so memory is bounded by the block, not by the number of users.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from data_prep.errors import DataError
+from training.sequence.bst import BST, score_candidates
+from training.sequence.sasrec import SASRec
 
 ScoreFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """score_fn(users (b,), candidate_items (b, C)) -> scores (b, C); higher ranks first."""
@@ -576,5 +581,101 @@ def popularity_scores(train_item_counts: np.ndarray) -> ScoreFn:
                 f"train_item_counts has {counts.size} entries, it needs num_items"
             )
         return counts[candidate_items]
+
+    return score_fn
+
+
+# Histories encoded per forward pass when computing the users' states.
+_ENCODE_BATCH = 256
+
+
+def user_states(model: SASRec, histories: torch.Tensor, batch: int = _ENCODE_BATCH) -> np.ndarray:
+    """The hidden state at the last position of each history, in fp32.
+
+    Args:
+        model: The trained model (eval mode).
+        histories: (U, L) int64, left-padded with 0.
+        batch: Histories per forward pass.
+
+    Returns:
+        (U, D) float32.
+    """
+    states = []
+    with torch.no_grad():
+        for start in range(0, len(histories), batch):
+            states.append(model(histories[start : start + batch])[:, -1].float())  # (b, D)
+    return torch.cat(states).numpy()
+
+
+def model_scores(states: np.ndarray, table: np.ndarray, first_row: int = 0) -> ScoreFn:
+    """score_fn of a user-state model: users are row numbers; row `first_row + i` is
+    `states[i]`.
+
+    Args:
+        states: (U, D) float32 user states.
+        table: (V, D) float32 item table.
+        first_row: The row number of states[0] (a rank's first row).
+
+    Returns:
+        score_fn(rows (b,), candidates (b, C)) -> (b, C) float32 dot products.
+    """
+
+    def score_fn(rows: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        users = states[rows - first_row]  # (b, D)
+        if candidates.strides[0] == 0:
+            # Full ranking hands one row broadcast to every user: one matmul, no gather.
+            return users @ table[candidates[0]].T  # (b, C)
+        return np.einsum("bd,bcd->bc", users, table[candidates])  # (b, C)
+
+    return score_fn
+
+
+def state_score_fn(
+    model: SASRec, histories: torch.Tensor, first_row: int, block_users: int
+) -> ScoreFn:
+    """score_fn of a SASRec over rows `first_row ...`: user states dotted with the items.
+
+    Args:
+        model: The trained model (eval mode).
+        histories: (U, L) int64, left-padded with 0; row `first_row + i` is histories[i].
+        first_row: The row number of histories[0], on a block boundary.
+        block_users: Rows encoded together.
+
+    Returns:
+        score_fn(rows (b,), candidates (b, C)) -> (b, C) float32 dot products.
+    """
+    # Encoded block by block, so a row's state never depends on where a rank starts.
+    states = np.concatenate(
+        [
+            user_states(model, histories[i : i + block_users])
+            for i in range(0, len(histories), block_users)
+        ]
+    )  # (U, D)
+    with torch.no_grad():
+        table = model.item_table().float().numpy()  # (V, D), side features included
+    return model_scores(states, table, first_row=first_row)
+
+
+def candidate_score_fn(
+    model: BST, histories: torch.Tensor, first_row: int, block_users: int
+) -> ScoreFn:
+    """score_fn of a BST: each candidate scored by its own pass after the history.
+
+    Args:
+        model: The trained BST (eval mode).
+        histories: (U, L) int64, left-padded with 0; row `first_row + i` is histories[i].
+        first_row: The row number of histories[0].
+        block_users: Unused: a BST scores the candidates the protocol hands it, by block.
+
+    Returns:
+        score_fn(rows (b,), candidates (b, C)) -> (b, C) float32 logits.
+    """
+
+    def score_fn(rows: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            logits = score_candidates(
+                model, histories[torch.from_numpy(rows - first_row)], torch.from_numpy(candidates)
+            )  # (b, C)
+        return logits.float().numpy()
 
     return score_fn

@@ -31,7 +31,9 @@ from training.sequence.bst import (
     build_bst,
     build_bst_pipeline_layers_from,
 )
+from training.sequence.ranking import ScoreFn, candidate_score_fn, state_score_fn
 from training.sequence.sasrec import (
+    ARCHITECTURE_ARGS,
     LOSSES,
     build_sasrec,
     build_sasrec_pipeline_layers,
@@ -71,6 +73,18 @@ class SequenceModel:
             raises ConfigError for inputs the model cannot take.
         activation_shape: (sequences per micro batch, L, negatives) -> (rows, positions,
             candidate vectors gathered per position), for the memory plan.
+
+    Evaluate and export:
+        config_keys: The `model_config.json` keys besides "model" the model needs;
+            loading refuses a config without one of them.
+        optional_config_keys: Keys it may also have; any other key is refused.
+        ranking_score_fn: (model in eval mode, (U, L) histories, first row number,
+            rows per block) -> the leave-one-out protocols' score_fn
+            (`training.sequence.ranking`).
+        full_ranking: Whether the model scores every item of a user at once (a user
+            state against the item table): evaluate's full-ranking protocol runs and
+            export packages a top-K recommender; else only sampled candidates are
+            ranked and export packages a candidate scorer.
     """
 
     name: str
@@ -82,6 +96,11 @@ class SequenceModel:
     min_items: int
     model_options: Callable[[list[int], Mapping[str, int]], dict[str, Any]]
     activation_shape: Callable[[int, int, int], tuple[int, int, int]]
+    # Evaluate and export.
+    config_keys: tuple[str, ...]
+    optional_config_keys: tuple[str, ...]
+    ranking_score_fn: Callable[[Any, torch.Tensor, int, int], ScoreFn]
+    full_ranking: bool
 
 
 SEQUENCE_MODEL_REGISTRY: Mapping[str, SequenceModel] = {
@@ -95,6 +114,11 @@ SEQUENCE_MODEL_REGISTRY: Mapping[str, SequenceModel] = {
         min_items=1,
         model_options=sasrec_model_options,
         activation_shape=sasrec_activation_shape,
+        # Evaluate and export.
+        config_keys=ARCHITECTURE_ARGS,
+        optional_config_keys=("item_features",),
+        ranking_score_fn=state_score_fn,
+        full_ranking=True,
     ),
     "bst": SequenceModel(
         name="bst",
@@ -108,6 +132,12 @@ SEQUENCE_MODEL_REGISTRY: Mapping[str, SequenceModel] = {
         min_items=2,
         model_options=bst_model_options,
         activation_shape=bst_activation_shape,
+        # Evaluate and export.
+        config_keys=(*ARCHITECTURE_ARGS, "mlp"),
+        optional_config_keys=(),
+        # One Transformer pass per (user, candidate): ranking every item is too dear.
+        ranking_score_fn=candidate_score_fn,
+        full_ranking=False,
     ),
 }
 
