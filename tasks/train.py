@@ -1,7 +1,9 @@
 """Prefect task for the train stage: launches DeepSpeed ranks as separate processes."""
 
+import logging
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -13,11 +15,17 @@ from prefect.artifacts import (
 )
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
-from tasks.progress import terminal_progress
+from tasks.progress import format_resume_line, train_progress
 from tasks.store import ArtifactStore
 from training.config import SEQUENCE_MODELS, TrainConfig
 from training.ctr.train import train_model
-from training.runtime.launcher import free_port
+from training.runtime.launcher import (
+    ERROR_PREFIX,
+    RESUME_PREFIX,
+    free_port,
+    is_protocol_line,
+    parse_record,
+)
 from training.runtime.memory import machine_memory_bytes
 from training.sequence.train import train_sequence_model
 
@@ -38,6 +46,25 @@ def memory_budget(config: TrainConfig, accelerator: str) -> tuple[int, str]:
     )
 
 
+def log_launcher_line(logger: logging.Logger | logging.LoggerAdapter, line: str) -> None:
+    """Log one output line of the launcher or a rank as people read it.
+
+    Ordinary output goes on as it is. The ranks' machine records do not: progress records
+    reach people through `TrainProgress` (the launcher parses them for `on_progress`), a
+    resume record becomes a sentence, an error record a warning (the stage's error names
+    it again). The launcher log keeps every line as it came.
+    """
+    if not is_protocol_line(line):
+        logger.info(line)
+        return
+    resume = parse_record(line, RESUME_PREFIX)
+    if resume is not None:
+        logger.info(format_resume_line(resume))
+    error = parse_record(line, ERROR_PREFIX)
+    if error is not None:
+        logger.warning("train rank %s failed: %s", error.get("rank"), error.get("error"))
+
+
 # A crashed or killed rank is transient: retry after 10 s, 20 s.
 @task(name="train", task_run_name="train", **task_options(backoff_seconds=10.0, retries=2))
 def train_task(
@@ -56,11 +83,13 @@ def train_task(
             progress=0.0, key="train-progress", description="Training steps completed (%)"
         )
         history: list[dict] = []
-        with terminal_progress("train steps", None) as advance:
+        # The ranks' protocol lines drive the bar and become human lines in the log; the
+        # raw records stay in the launcher log (launcher.log in the stage output).
+        with train_progress(logger) as shown:
 
             def on_progress(record: dict) -> None:
                 history.append(record)
-                advance(record["step"])
+                shown.on_progress(record)
                 update_progress_artifact(
                     progress_id, progress=100.0 * record["step"] / record["total_steps"]
                 )
@@ -78,7 +107,7 @@ def train_task(
                 accelerator=accelerator,
                 master_port=free_port(),
                 env=dict(os.environ),
-                on_log=logger.info,
+                on_log=partial(log_launcher_line, logger),
                 on_progress=on_progress,
                 memory_budget=memory_budget(config, accelerator),
                 # Outlives this attempt's staging directory, so that a retry resumes.
@@ -109,7 +138,6 @@ def train_task(
             description="Planned memory per rank (training.ctr.memory)",
         )
         if result.resumed_from_step is not None:
-            logger.info("train resumed from step %d (%s)", result.resumed_from_step, resume_root)
             create_markdown_artifact(
                 key="train-resume",
                 markdown=f"Resumed from the checkpoint of step {result.resumed_from_step} "

@@ -1,9 +1,9 @@
 """Rank launcher shared by every stage that runs DeepSpeed ranks.
 
 Runs `deepspeed.launcher.runner` in its own process group, streams the ranks' output
-(progress, resume and error records), reaps an earlier attempt's orphaned ranks,
-unlinks the shared-memory buffers DeepSpeed's CPU ranks leave behind and turns the
-ranks' error reports into typed errors.
+(progress, resume and error records, which `is_protocol_line` tells from text for
+people), reaps an earlier attempt's orphaned ranks, unlinks the shared-memory buffers
+DeepSpeed's CPU ranks leave behind and turns the ranks' error reports into typed errors.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ from training.runtime.files import (
 )
 from training.runtime.memory import MemoryPlan
 
+# The machine protocol between the ranks and the launcher: one line, a prefix and a JSON
+# object. Rank 0 prints a progress record every train.log_every steps and a resume record
+# when it continues from a checkpoint; any rank prints an error record before it fails.
 PROGRESS_PREFIX = "RECFORGE_PROGRESS "
 
 
@@ -45,6 +48,9 @@ ERROR_PREFIX = "RECFORGE_ERROR "
 
 
 RESUME_PREFIX = "RECFORGE_RESUME "
+
+
+PROTOCOL_PREFIXES = (PROGRESS_PREFIX, RESUME_PREFIX, ERROR_PREFIX)
 
 
 # Fields that change how a run reports or saves, not what it computes: a retry may
@@ -230,7 +236,10 @@ def run_launcher(
 ) -> tuple[int, list[str], list[dict[str, Any]]]:
     """Run the launcher in its own process group, streaming its merged output.
 
-    `env` is the launcher's whole environment; None inherits this process's.
+    `env` is the launcher's whole environment; None inherits this process's. Every line
+    goes to `log_path` and to `on_log`, protocol records included (callers and tests read
+    them there); a caller that shows the lines to people drops those with
+    `is_protocol_line` and reads the records with `parse_record`.
 
     With `owner_file`, the ranks' process group is recorded there first, and whatever
     is left of the group an earlier attempt recorded is killed: when the process that
@@ -273,10 +282,10 @@ def run_launcher(
                 if on_log is not None:
                     on_log(line)
                 if on_progress is not None:
-                    progress = _parse_record(line, PROGRESS_PREFIX)
+                    progress = parse_record(line, PROGRESS_PREFIX)
                     if progress is not None:
                         on_progress(progress)
-                error = _parse_record(line, ERROR_PREFIX)
+                error = parse_record(line, ERROR_PREFIX)
                 if error is not None:
                     rank_errors.append(error)
             returncode = process.wait()
@@ -380,8 +389,26 @@ def _kill_recorded_group(pgid: int) -> None:
         time.sleep(0.1)
 
 
-def _parse_record(line: str, prefix: str) -> dict[str, Any] | None:
-    """The JSON object after `prefix` in a line, or None."""
+def is_protocol_line(line: str) -> bool:
+    """Whether `line` is (or holds) a machine record rather than text for people.
+
+    Found anywhere in the line, as `parse_record` finds it: another rank's output can run
+    into a record, and even an unparsable record is not for people (the launcher log
+    keeps it).
+    """
+    return any(prefix in line for prefix in PROTOCOL_PREFIXES)
+
+
+def parse_record(line: str, prefix: str) -> dict[str, Any] | None:
+    """The JSON object after `prefix` in a line, or None.
+
+    Args:
+        line: One output line of the launcher or a rank.
+        prefix: `PROGRESS_PREFIX`, `RESUME_PREFIX` or `ERROR_PREFIX`.
+
+    Returns:
+        The record, or None if the line holds no such record or it does not parse.
+    """
     start = line.find(prefix)
     if start < 0:
         return None
