@@ -441,12 +441,16 @@ def order_statistics(
     while any(lo < hi for lo, hi, _ in state):
         active = [i for i, (lo, hi, _) in enumerate(state) if lo < hi]
         width = {i: -(-(state[i][1] - state[i][0] + 1) // bins) for i in active}
-        hist = {i: np.zeros(bins, np.int64) for i in active}
+        # Ranks whose ranges coincide (all of them in the first pass) share one histogram.
+        ranges = sorted({(state[i][0], state[i][1]) for i in active})
+        counted = {r: np.zeros(bins, np.int64) for r in ranges}
         for x in chunks():
-            for i in active:
-                lo, hi, _ = state[i]
-                inside = x[(x >= lo) & (x <= hi)]
-                hist[i] += np.bincount((inside - lo) // width[i], minlength=bins)
+            for lo, hi in ranges:
+                # The first pass's range holds every value: nothing to select.
+                inside = x if lo <= low and hi >= high else x[(x >= lo) & (x <= hi)]
+                step = -(-(hi - lo + 1) // bins)
+                counted[(lo, hi)] += np.bincount((inside - lo) // step, minlength=bins)
+        hist = {i: counted[(state[i][0], state[i][1])] for i in active}
         passes += 1
         for i in active:
             lo, hi, below = state[i]
@@ -678,8 +682,11 @@ def _transform_file(
 ) -> tuple[dict[str, int], "_TimeGuard | _UserGuard"]:
     """Transform one file into ``<split>/part-<index>.parquet``; rows per split and its guard."""
     dictionary = dictionary_columns(applier.transform)
+    # Statistics only where readers use them: the timestamp's min/max.
+    statistics = [applier.transform["timestamp"]]
     writers = [
-        _PartWriter(out_dir / split / f"part-{index:05d}.parquet", dictionary) for split in SPLITS
+        _PartWriter(out_dir / split / f"part-{index:05d}.parquet", dictionary, statistics)
+        for split in SPLITS
     ]
     checked = guard()
     try:
@@ -847,16 +854,22 @@ def _user_bounds(table: pa.Table) -> pa.Table:
 class _PartWriter:
     """Writes one Parquet file, created on the first non-empty table."""
 
-    def __init__(self, path: Path, dictionary: list[str]) -> None:
+    def __init__(self, path: Path, dictionary: list[str], statistics: list[str]) -> None:
         self.path = path
         self.dictionary = dictionary
+        self.statistics = statistics
         self.rows = 0
         self._writer: pq.ParquetWriter | None = None
 
     def write(self, table: pa.Table) -> None:
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._writer = pq.ParquetWriter(self.path, table.schema, use_dictionary=self.dictionary)
+            self._writer = pq.ParquetWriter(
+                self.path,
+                table.schema,
+                use_dictionary=self.dictionary,
+                write_statistics=self.statistics,
+            )
         self._writer.write_table(table)
         self.rows += table.num_rows
 
