@@ -87,6 +87,43 @@ def check_pipeline_config(world_size: int, num_stages: int, zero_stage: int) -> 
         )
 
 
+# Fields only the CTR models (train.model: dlrm) read, with what a sequence model takes
+# instead (shown before "remove it").
+_CTR_ONLY_FIELDS = {
+    "interaction": "",
+    "embedding_dim": "the item table's width is train.sequence.hidden_dim; ",
+    "bottom_mlp": "",
+    "top_mlp": "BST's head is train.sequence.mlp; ",
+    "num_cross_layers": "",
+    "dropout": "the sequence models take train.sequence.dropout; ",
+    "offload_optimizer": "the pipeline engine keeps its optimizer state on the rank; ",
+    "embeddings": "the item table is a tied pipeline layer; ",
+    "sparse_optimizer": "the item table is trained by the dense optimizer (train.lr); ",
+    "sparse_lr": "the item table is trained by the dense optimizer (train.lr); ",
+    "sparse_weight_decay": "the item table takes train.weight_decay; ",
+    "admission_min_count": "preprocess.min_count sets the item vocabulary; ",
+    "pooling": "",
+    "tasks": "",
+    "data_streams": "each data-parallel replica reads every replicas-th sequence; ",
+    "prefetch_batches": "",
+}
+# Fields only the sequence models read.
+_SEQUENCE_ONLY_FIELDS = {
+    "sequence": "",
+    "pipeline_stages": f"it splits the sequence models {list(SEQUENCE_MODELS)} into stages; ",
+}
+
+
+def _other_family_fields(model: str) -> dict[str, str]:
+    """The fields `model` does not use -> the hint of what it takes instead."""
+    return _CTR_ONLY_FIELDS if model in SEQUENCE_MODELS else _SEQUENCE_ONLY_FIELDS
+
+
+def _shown_default(value: object) -> object:
+    """A field's value as an error message shows it (a section as its dict)."""
+    return value.model_dump() if isinstance(value, BaseModel) else value
+
+
 class TrainConfig(BaseModel):
     """The `train` section: model architecture, optimisation and parallelism."""
 
@@ -244,31 +281,19 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_layer_sizes(self) -> TrainConfig:
+        # Every field is either read by the model family's ranks or refused here: a
+        # setting that would be silently ignored is a setting the user thinks is in effect.
+        for name, hint in _other_family_fields(self.model).items():
+            default = TrainConfig.model_fields[name].get_default(call_default_factory=True)
+            value = getattr(self, name)
+            if value != default:
+                shown = _shown_default(value)
+                raise ValueError(
+                    f"train.{name}={shown!r} does not apply to train.model={self.model}; "
+                    f"{hint}remove it (default {_shown_default(default)})"
+                )
         if self.model in SEQUENCE_MODELS:
-            try:
-                check_pipeline_config(self.world_size, self.pipeline_stages, self.zero_stage)
-            except ConfigError as error:
-                raise ValueError(str(error)) from None
-            if self.sequence.hidden_dim % self.sequence.num_heads:
-                raise ValueError(
-                    f"train.sequence.hidden_dim={self.sequence.hidden_dim} is not divisible "
-                    f"by train.sequence.num_heads={self.sequence.num_heads}; change one"
-                )
-            if self.precision == "fp16" or self.offload_optimizer:
-                raise ValueError(
-                    f"train.model={self.model} trains in fp32 or bf16 without offload; set "
-                    "precision: fp32 or bf16 and offload_optimizer: false"
-                )
-            if self.dropout:
-                raise ValueError(
-                    f"train.dropout applies to the CTR MLPs; train.model={self.model} takes "
-                    "train.sequence.dropout"
-                )
-        elif self.pipeline_stages != 1:
-            raise ValueError(
-                f"train.pipeline_stages={self.pipeline_stages} applies to the sequence models "
-                f"{list(SEQUENCE_MODELS)} only; set train.model or pipeline_stages: 1"
-            )
+            self._check_sequence_model()
         if any(size < 1 for size in self.bottom_mlp):
             raise ValueError(f"train.bottom_mlp: layer sizes must be >= 1, got {self.bottom_mlp}")
         if any(size < 1 for size in self.top_mlp):
@@ -302,6 +327,33 @@ class TrainConfig(BaseModel):
                 "change batch_size or data_streams"
             )
         return self
+
+    def _check_sequence_model(self) -> None:
+        """The pipeline layout and the sequence section (ValueError naming the field)."""
+        try:
+            check_pipeline_config(self.world_size, self.pipeline_stages, self.zero_stage)
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
+        if self.sequence.hidden_dim % self.sequence.num_heads:
+            raise ValueError(
+                f"train.sequence.hidden_dim={self.sequence.hidden_dim} is not divisible "
+                f"by train.sequence.num_heads={self.sequence.num_heads}; change one"
+            )
+        if self.precision == "fp16":
+            raise ValueError(
+                f"train.precision=fp16: train.model={self.model} trains in fp32 or bf16; set "
+                "precision: fp32 or bf16"
+            )
+        if self.model == "bst" and self.sequence.loss != "bce":
+            raise ValueError(
+                f"train.sequence.loss={self.sequence.loss!r}: BST trains on click labels with "
+                "BCE only; remove it or use train.model: sasrec"
+            )
+        if self.model == "sasrec" and self.sequence.mlp != SequenceModelConfig().mlp:
+            raise ValueError(
+                f"train.sequence.mlp={self.sequence.mlp} is BST's head; SASRec scores items "
+                "by a dot product and has no head MLP: remove it or use train.model: bst"
+            )
 
     def num_data_streams(self) -> int:
         """Streams the train split is read as: `data_streams`, or `world_size` if unset."""

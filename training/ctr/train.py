@@ -30,46 +30,22 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from data_prep.errors import (
-    ConfigError,
-)
+from data_prep.errors import ConfigError
 from training.config import TrainConfig
 from training.ctr.data import DatasetMeta, load_dataset_meta
 from training.ctr.memory import check_memory, plan_memory
 from training.ctr.model import build_arch, model_config_from
 from training.ctr.reader import steps_per_epoch
 from training.runtime.deepspeed_config import build_deepspeed_config
-from training.runtime.files import (
-    LAUNCH_FILE,
-    LAUNCHER_LOG_FILE,
-    MEMORY_PLAN_FILE,
-    MODEL_CONFIG_FILE,
-    RANKS_FILE,
-    RESUME_DIR,
-    SUMMARY_FILE,
-    TRAIN_CONFIG_FILE,
-    TRAIN_LOG_FILE,
-    WEIGHTS_FILE,
-    write_json,
+from training.runtime.launcher import TrainResult, chaos_settings, launcher_env
+from training.runtime.memory import MemoryPlan
+from training.runtime.stage import (
+    NOT_FINGERPRINTED,
+    LaunchPlan,
+    launch_train_ranks,
+    resume_root,
+    train_result,
 )
-from training.runtime.launcher import (
-    TrainResult,
-    chaos_settings,
-    launch_ranks,
-    launcher_command,
-    launcher_env,
-)
-from training.runtime.memory import MemoryPlan, plan_record
-
-_NOT_FINGERPRINTED = (
-    "log_every",
-    "tensorboard",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "prefetch_batches",
-    "memory_per_rank_gb",
-)
-
 
 # How each training step's time is split (see training.ctr.worker).
 PHASES = ("data", "lookup", "dense", "optimizer")
@@ -161,9 +137,63 @@ def train_model(
             code and the last output lines).
     """
     started = time.monotonic()
-    shards_dir = Path(shards_dir).resolve()
     out_dir = Path(out_dir).resolve()
     launch_env = launcher_env(env, accelerator)
+    plan = plan_ctr_run(
+        config, shards_dir, out_dir, accelerator, env, memory_budget, checkpoint_root
+    )
+    summary = launch_train_ranks(
+        config,
+        plan,
+        out_dir,
+        "training.ctr.worker",
+        python,
+        master_port,
+        launch_env,
+        on_log,
+        on_progress,
+    )
+    step_ms = dict(summary.get("step_ms", {}))
+    return train_result(out_dir, summary, started, plan.memory_plan, step_ms)
+
+
+def plan_ctr_run(
+    config: TrainConfig,
+    shards_dir: Path,
+    out_dir: Path,
+    accelerator: Literal["cpu", "cuda"],
+    env: Mapping[str, str],
+    memory_budget: tuple[int, str] | None = None,
+    checkpoint_root: Path | None = None,
+) -> LaunchPlan:
+    """Everything `train_model` decides before it launches: the launch spec and its parts.
+
+    Args:
+        config: The train config.
+        shards_dir: The shard directory (with dataset.json).
+        out_dir: The train output directory.
+        accelerator: "cpu" (gloo) or "cuda" (NCCL).
+        env: The caller's environment (only the chaos tests' settings are read from it).
+        memory_budget: As `train_model`.
+        checkpoint_root: As `train_model`.
+
+    Returns:
+        The launch spec (train, model and DeepSpeed configs, paths, step plan,
+        fingerprint), the model config and the memory plan.
+
+    Raises:
+        InputNotFoundError: dataset.json or the shard directory is missing.
+        SchemaError: dataset.json is invalid or has no train split.
+        ConfigError: Not a CTR model, fp16 on CPU, a train split too small for the
+            config, or a memory plan over budget.
+    """
+    if config.model != "dlrm":
+        raise ConfigError(
+            f"train.model={config.model!r} is a sequence model; training.sequence.train "
+            "trains it (training.ctr.train takes train.model: dlrm)"
+        )
+    shards_dir = Path(shards_dir).resolve()
+    out_dir = Path(out_dir).resolve()
     if accelerator == "cpu" and config.precision == "fp16":
         raise ConfigError(
             "train.precision=fp16 needs a GPU: DeepSpeed's CPU accelerator has no fp16 "
@@ -171,14 +201,9 @@ def train_model(
         )
     meta = load_dataset_meta(shards_dir)
     total_steps = plan_total_steps(config, meta)
-
     model_config = model_config_from(config, meta)
     memory_plan = _plan_memory(config, meta, model_config, accelerator, memory_budget)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (TRAIN_LOG_FILE, SUMMARY_FILE, WEIGHTS_FILE, LAUNCHER_LOG_FILE):
-        (out_dir / stale).unlink(missing_ok=True)
-    write_json(out_dir / MEMORY_PLAN_FILE, plan_record(memory_plan))
+    root = resume_root(checkpoint_root, out_dir)
     spec = {
         "backend": "gloo" if accelerator == "cpu" else "nccl",
         "train_config": config.model_dump(mode="json"),
@@ -187,31 +212,11 @@ def train_model(
         "model_config": model_config,
         "ds_config": build_deepspeed_config(config, config.world_size, total_steps),
         "total_steps": total_steps,
-        "checkpoint_root": str(Path(checkpoint_root or out_dir / RESUME_DIR).resolve()),
+        "checkpoint_root": str(root),
     }
     spec["config_fingerprint"] = config_fingerprint(spec)
     spec["chaos"] = chaos_settings(env)
-    write_json(out_dir / TRAIN_CONFIG_FILE, spec["train_config"])
-    write_json(out_dir / MODEL_CONFIG_FILE, model_config)
-    spec_path = out_dir / LAUNCH_FILE
-    write_json(spec_path, spec)
-
-    command = launcher_command(
-        python, config.world_size, master_port, "training.ctr.worker", spec_path
-    )
-    # Resumable runs share their checkpoints across attempts: record who writes them.
-    owner = Path(spec["checkpoint_root"]) / RANKS_FILE if config.checkpoint_every else None
-    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner)
-    return TrainResult(
-        out_dir=out_dir,
-        final_loss=float(summary["final_loss"]),
-        steps=int(summary["steps"]),
-        samples_per_s=float(summary["samples_per_s"]),
-        seconds=time.monotonic() - started,
-        step_ms=dict(summary.get("step_ms", {})),
-        memory_plan=memory_plan,
-        resumed_from_step=summary.get("resumed_from_step"),
-    )
+    return LaunchPlan(spec, model_config, memory_plan, root)
 
 
 def config_fingerprint(spec: Mapping[str, Any]) -> str:
@@ -224,7 +229,7 @@ def config_fingerprint(spec: Mapping[str, Any]) -> str:
     config = TrainConfig.model_validate(spec["train_config"])
     # The world size may change between runs (the checkpoint is converted and its rows
     # re-sharded) as long as the global batch and the data streams stay the same.
-    dropped = (*_NOT_FINGERPRINTED, "world_size", "batch_size", "data_streams")
+    dropped = (*NOT_FINGERPRINTED, "world_size", "batch_size", "data_streams")
     train_config = {k: v for k, v in spec["train_config"].items() if k not in dropped}
     per_rank = ("train_batch_size", "train_micro_batch_size_per_gpu")
     ds_config = {k: v for k, v in spec["ds_config"].items() if k not in per_rank}

@@ -46,8 +46,9 @@ import json
 import resource
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import deepspeed
 import deepspeed.comm as dist
@@ -83,23 +84,23 @@ from training.runtime.files import (
     TRAIN_LOG_FILE,
     WEIGHTS_FILE,
 )
-from training.runtime.launcher import (
-    PROGRESS_PREFIX,
-    RESUME_PREFIX,
-)
+from training.runtime.launcher import RESUME_PREFIX
 from training.runtime.memory import FP32_BYTES
 from training.runtime.rank import (
     DENSE_TAG,
     Preemption,
     ResumePoint,
     find_resume_point,
+    gather_rss_mb,
+    open_tensorboard,
     rank_main,
     rank_state_file,
-    rss_bytes,
     save_resume_checkpoint,
     seed_everything,
     set_rng_state,
     sparse_file,
+    write_progress,
+    write_scalars,
 )
 
 
@@ -204,6 +205,31 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
+@dataclass
+class _Counters:
+    """Where a rank's run stands, and what its progress records have summed so far.
+
+    Attributes:
+        step: Optimizer steps done.
+        micro_done: Micro batches done.
+        window: Since the last record: summed loss, micro steps, then seconds per phase.
+        totals: Milliseconds per step by phase, summed over the records.
+        final_loss: The last record's mean loss.
+        rows_updated: Embedding rows this rank's sparse optimizer updated.
+        resumed_from_step: The checkpoint's step, None for a fresh start.
+    """
+
+    step: int = 0
+    micro_done: int = 0
+    window: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(2 + len(PHASES), dtype=torch.float64)
+    )
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    final_loss: float = float("nan")
+    rows_updated: int = 0
+    resumed_from_step: int | None = None
+
+
 def run(spec: dict[str, Any]) -> None:
     """Train one rank according to a launch spec.
 
@@ -212,48 +238,127 @@ def run(spec: dict[str, Any]) -> None:
 
     Raises:
         ConfigError: The launcher started a different number of ranks than configured.
+        Preempted: SIGTERM arrived; the resume checkpoint of that step is committed.
     """
     config = TrainConfig.model_validate(spec["train_config"])
-    model_config = spec["model_config"]
-    shards_dir = Path(spec["shards_dir"])
     out_dir = Path(spec["out_dir"])
-    total_steps = int(spec["total_steps"])
-    seed_everything(config.seed)
+    rank, world_size = _start_rank(spec, config)
+    module, store = _build_modules(spec, config, rank, world_size)
+    engine, resume_store, resume_point = _initialize_engine(spec, config, module)
+    preemption = Preemption(engine.device) if resume_store is not None else None
+    reader = _open_reader(spec, config, rank, world_size)
+    on_rank0 = rank == 0
+    writer = open_tensorboard(
+        out_dir / TENSORBOARD_DIR if config.tensorboard and on_rank0 else None
+    )
+    log_file = (out_dir / TRAIN_LOG_FILE).open("a") if on_rank0 else None
+    counters = _Counters()
+    if resume_point is not None:
+        skip = frozenset(spec.get("chaos", {}).get("skip_restore", []))
+        table_rows = sum(spec["model_config"]["table_sizes"])
+        resumed = load_resume_point(resume_point, engine, store, reader, table_rows, skip)
+        counters.step, counters.micro_done = resumed["step"], resumed["micro_done"]
+        counters.resumed_from_step = resumed["step"]
+    engine.train()
+    started = time.monotonic()
+    try:
+        _train_steps(
+            spec,
+            config,
+            engine,
+            store,
+            reader,
+            counters,
+            resume_store,
+            preemption,
+            log_file,
+            writer,
+        )
+    finally:
+        reader.close()
+    seconds = time.monotonic() - started
+    _save_final_checkpoint(spec, engine, store, reader, out_dir, rank, world_size)
+    table_sizes = list(spec["model_config"]["table_sizes"])
+    _write_weights(
+        engine,
+        out_dir / CHECKPOINT_DIR / CHECKPOINT_TAG,
+        out_dir / WEIGHTS_FILE,
+        config,
+        table_sizes if store is not None else None,
+        rank,
+        world_size,
+        spec.get("chaos", {}).get("consolidation_chunk_rows"),
+    )
+    if on_rank0:
+        _write_summary(out_dir, config, counters, reader, seconds, world_size)
+    if log_file is not None:
+        log_file.close()
+    if writer is not None:
+        writer.close()
+    dist.barrier()  # rank 0's files are written before any rank reports success
 
+
+def _start_rank(spec: dict[str, Any], config: TrainConfig) -> tuple[int, int]:
+    """Seed this process and join the process group; returns (rank, world_size).
+
+    Raises:
+        ConfigError: The launched world size is not train.world_size.
+    """
+    seed_everything(config.seed)
     deepspeed.init_distributed(dist_backend=spec.get("backend", "gloo"))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size != config.world_size:
         raise ConfigError(
             f"train.world_size={config.world_size} but the launcher started {world_size} ranks"
         )
+    return rank, world_size
 
-    meta = load_dataset_meta(shards_dir)
+
+def _build_modules(
+    spec: dict[str, Any], config: TrainConfig, rank: int, world_size: int
+) -> tuple[torch.nn.Module, ShardedEmbedding | None]:
+    """The DeepSpeed module and, with sharded embeddings, this rank's table shard.
+
+    Sharded: the `CTRArch` (the table lives outside DeepSpeed). Dense: the whole
+    `CTRModel`, its table initialised as the shards would be.
+    """
+    model_config = spec["model_config"]
     table_sizes = list(model_config["table_sizes"])
-    store: ShardedEmbedding | None = None
-    if config.embeddings == "sharded":
-        module = build_arch(model_config)
-        # The table lives outside DeepSpeed; on GPUs its all-to-alls use a gloo group,
-        # since the rows stay in host memory (the parameter-server layout).
-        group = None
-        if spec.get("backend", "gloo") != "gloo" and world_size > 1:
-            group = torch.distributed.new_group(backend="gloo")
-        store = ShardedEmbedding(
-            table_sizes,
-            config.embedding_dim,
-            config.sparse_optimizer,
-            config.sparse_lr,
-            config.admission_min_count,
-            config.seed,
-            rank,
-            world_size,
-            group,
-            config.sparse_weight_decay,
-        )
-    else:
+    if config.embeddings != "sharded":
         module = build_model(model_config)
         module.embedding.weight.data = init_rows(table_sizes, config.embedding_dim, config.seed)
+        return module, None
+    module = build_arch(model_config)
+    # On GPUs the table's all-to-alls use a gloo group, since the rows stay in host
+    # memory (the parameter-server layout).
+    group = None
+    if spec.get("backend", "gloo") != "gloo" and world_size > 1:
+        group = torch.distributed.new_group(backend="gloo")
+    store = ShardedEmbedding(
+        table_sizes,
+        config.embedding_dim,
+        config.sparse_optimizer,
+        config.sparse_lr,
+        config.admission_min_count,
+        config.seed,
+        rank,
+        world_size,
+        group,
+        config.sparse_weight_decay,
+    )
+    return module, store
+
+
+def _initialize_engine(
+    spec: dict[str, Any], config: TrainConfig, module: torch.nn.Module
+) -> tuple[deepspeed.DeepSpeedEngine, CheckpointStore | None, ResumePoint | None]:
+    """The DeepSpeed engine, and with train.checkpoint_every the resume store and point.
+
+    A checkpoint of another world size under ZeRO 1-2 loads as DeepSpeed's universal
+    checkpoint, which the engine must be told of when it is built.
+    """
     ds_config = spec["ds_config"]
-    resume_store, resume_point, preemption = None, None, None
+    resume_store, resume_point = None, None
     if config.checkpoint_every:
         resume_store = CheckpointStore(
             Path(spec["checkpoint_root"]), keep=config.keep_checkpoints, log=print
@@ -266,151 +371,238 @@ def run(spec: dict[str, Any]) -> None:
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=module.parameters(), config=ds_config
     )
-    if resume_store is not None:
-        preemption = Preemption(engine.device)
-    # Half-precision engines hold half weights: the dense input must match them.
-    input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-        config.precision, torch.float32
-    )
-    offsets = table_offsets(table_sizes)
-    with_features = config.admission_min_count >= 2
+    return engine, resume_store, resume_point
 
-    reader = ShardReader(
+
+def _open_reader(
+    spec: dict[str, Any], config: TrainConfig, rank: int, world_size: int
+) -> ShardReader:
+    """This rank's reader of the train split (its streams, prefetching in the background)."""
+    shards_dir = Path(spec["shards_dir"])
+    return ShardReader(
         shards_dir,
-        meta,
+        load_dataset_meta(shards_dir),
         TRAIN_SPLIT,
         rank,
         world_size,
         config.batch_size,
         config.num_data_streams(),
-        tasks=model_config["tasks"],
+        tasks=spec["model_config"]["tasks"],
         prefetch=config.prefetch_batches,
     )
+
+
+def _train_steps(
+    spec: dict[str, Any],
+    config: TrainConfig,
+    engine: deepspeed.DeepSpeedEngine,
+    store: ShardedEmbedding | None,
+    reader: ShardReader,
+    counters: _Counters,
+    resume_store: CheckpointStore | None,
+    preemption: Preemption | None,
+    log_file: IO[str] | None,
+    writer: Any,
+) -> None:
+    """Every rank: the micro batches up to total_steps, with checkpoints and progress.
+
+    Raises:
+        Preempted: SIGTERM arrived; the resume checkpoint of that step is committed.
+    """
+    total_steps = int(spec["total_steps"])
     micro_total = total_steps * config.grad_accum_steps
-    samples_per_micro = config.batch_size * world_size
-    writer = _tensorboard(out_dir, config) if rank == 0 else None
-    log_file = (out_dir / TRAIN_LOG_FILE).open("a") if rank == 0 else None
-
-    window = torch.zeros(2 + len(PHASES), dtype=torch.float64)  # loss, micro steps, phases
-    totals = dict.fromkeys(PHASES, 0.0)
-    final_loss = float("nan")
-    rows_updated = 0
-    micro_done = step = 0
-    resumed = None
-    if resume_point is not None:
-        skip = frozenset(spec.get("chaos", {}).get("skip_restore", []))
-        resumed = load_resume_point(resume_point, engine, store, reader, sum(table_sizes), skip)
-        step, micro_done = resumed["step"], resumed["micro_done"]
-    engine.train()
-    started = window_started = time.monotonic()
+    # Half-precision engines hold half weights: the dense input must match them.
+    input_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        config.precision, torch.float32
+    )
+    offsets = table_offsets(list(spec["model_config"]["table_sizes"]))
+    with_features = config.admission_min_count >= 2
+    window_started = time.monotonic()
     batches = iter(reader)
-    try:
-        while micro_done < micro_total:
-            t0 = time.perf_counter()
-            batch = next(batches)
-            t1 = time.perf_counter()
-            dense = batch.dense.to(engine.device, dtype=input_dtype)
-            labels = batch.labels.to(engine.device)
-            if store is not None:
-                inputs = SparseInputs(batch, offsets, store, with_features)
-                device = engine.device
-                t2 = time.perf_counter()
-                logits = engine(
-                    inputs.rows.to(device),
-                    inputs.sparse_index.to(device),
-                    dense,
-                    [index.to(device) for index in inputs.multi_index],
-                    None if inputs.row_admitted is None else inputs.row_admitted.to(device),
-                    None if inputs.row_feature is None else inputs.row_feature.to(device),
-                )  # (B, T)
-            else:
-                t2 = time.perf_counter()
-                multi_hot = [ids.to(engine.device) for ids in batch.multi_hot]
-                logits = engine(batch.sparse.to(engine.device), dense, *multi_hot)
-            loss = task_loss(logits, labels)
-            engine.backward(loss)
-            t3 = time.perf_counter()
-            boundary = engine.is_gradient_accumulation_boundary()
-            scale = _loss_scale(engine, config)  # before step(): the step may change it
-            if store is not None:
-                store.accumulate_gradients(inputs.rows.grad, inputs.context)
-            engine.step()
-            if store is not None and boundary:
-                if engine.was_step_applied():
-                    rows_updated += store.step(grad_scale=scale)
-                else:  # fp16 overflow: DeepSpeed skipped the dense step; skip ours too
-                    store.discard_gradients()
-            t4 = time.perf_counter()
-            window += torch.tensor(
-                [float(loss.detach()), 1.0, t1 - t0, t2 - t1, t3 - t2, t4 - t3], dtype=torch.float64
-            )
-            micro_done += 1
-            if micro_done % config.grad_accum_steps:
-                continue
-            step += 1
-            stop = preemption is not None and preemption.agreed()
-            if resume_store is not None and (step % config.checkpoint_every == 0 or stop):
-                if step < total_steps:  # the final state is saved below anyway
-                    counters = {"step": step, "micro_done": micro_done}
-                    save_resume_checkpoint(
-                        resume_store,
-                        engine,
-                        store,
-                        reader,
-                        counters,
-                        spec["config_fingerprint"],
-                        spec.get("chaos", {}).get("checkpoint_fault", ""),
-                    )
-                    if stop:
-                        raise Preempted(
-                            f"stopped by SIGTERM after step {step}; its resume checkpoint is "
-                            f"committed under {resume_store.root}"
-                        )
-            if step % config.log_every and step != total_steps:
-                continue
-            # Every rank reaches these collectives at the same step: same step counts.
-            summed = window.clone()
-            dist.all_reduce(summed)
-            memory = torch.zeros(world_size, dtype=torch.float64)
-            memory[rank] = rss_bytes() / 2**20
-            dist.all_reduce(memory)
-            now = time.monotonic()
-            micro = float(summed[1]) / world_size
-            final_loss = float(summed[0] / summed[1])
-            phase_ms = {
-                name: 1000.0 * float(summed[2 + i]) / float(summed[1]) * config.grad_accum_steps
-                for i, name in enumerate(PHASES)
-            }
-            for name in PHASES:
-                totals[name] += phase_ms[name] * micro / config.grad_accum_steps
-            record = {
-                "step": step,
-                "total_steps": total_steps,
-                "loss": final_loss,
-                "samples_per_s": micro * samples_per_micro / max(now - window_started, 1e-9),
-                "epoch": micro_done / reader.steps_per_epoch,
-                "step_ms": phase_ms,
-                "rss_mb": [round(float(m), 1) for m in memory],
-            }
-            if log_file is not None:
-                print(PROGRESS_PREFIX + json.dumps(record), flush=True)
-                log_file.write(json.dumps(record) + "\n")
-                log_file.flush()
-            if writer is not None:
-                _write_scalars(writer, record)
-            window.zero_()
-            window_started = now
-    finally:
-        reader.close()
-    seconds = time.monotonic() - started
+    while counters.micro_done < micro_total:
+        t0 = time.perf_counter()
+        batch = next(batches)
+        t1 = time.perf_counter()
+        loss, inputs, t2, t3 = _forward_backward(
+            engine, store, batch, input_dtype, offsets, with_features
+        )
+        _optimizer_step(engine, store, inputs, config, counters)
+        t4 = time.perf_counter()
+        counters.window += torch.tensor(
+            [float(loss.detach()), 1.0, t1 - t0, t2 - t1, t3 - t2, t4 - t3], dtype=torch.float64
+        )
+        counters.micro_done += 1
+        if counters.micro_done % config.grad_accum_steps:
+            continue
+        counters.step += 1
+        _checkpoint_step(spec, config, engine, store, reader, counters, resume_store, preemption)
+        if counters.step % config.log_every and counters.step != total_steps:
+            continue
+        record, now = _progress_record(config, counters, reader, total_steps, window_started)
+        if log_file is not None:
+            write_progress(log_file, record)
+        if writer is not None:
+            write_scalars(writer, record)
+        counters.window.zero_()
+        window_started = now
 
+
+def _forward_backward(
+    engine: deepspeed.DeepSpeedEngine,
+    store: ShardedEmbedding | None,
+    batch: Batch,
+    input_dtype: torch.dtype,
+    offsets: torch.Tensor,
+    with_features: bool,
+) -> tuple[torch.Tensor, SparseInputs | None, float, float]:
+    """One micro batch's loss and backward.
+
+    With sharded embeddings the ids are first looked up (both all-to-alls); their
+    `SparseInputs` carry the rows' gradients to `_optimizer_step`.
+
+    Returns:
+        (loss, the sparse inputs or None, perf_counter at the end of the lookup, at the
+        end of the backward).
+    """
+    dense = batch.dense.to(engine.device, dtype=input_dtype)
+    labels = batch.labels.to(engine.device)
+    if store is not None:
+        inputs = SparseInputs(batch, offsets, store, with_features)
+        device = engine.device
+        t2 = time.perf_counter()
+        logits = engine(
+            inputs.rows.to(device),
+            inputs.sparse_index.to(device),
+            dense,
+            [index.to(device) for index in inputs.multi_index],
+            None if inputs.row_admitted is None else inputs.row_admitted.to(device),
+            None if inputs.row_feature is None else inputs.row_feature.to(device),
+        )  # (B, T)
+    else:
+        inputs = None
+        t2 = time.perf_counter()
+        multi_hot = [ids.to(engine.device) for ids in batch.multi_hot]
+        logits = engine(batch.sparse.to(engine.device), dense, *multi_hot)
+    loss = task_loss(logits, labels)
+    engine.backward(loss)
+    return loss, inputs, t2, time.perf_counter()
+
+
+def _optimizer_step(
+    engine: deepspeed.DeepSpeedEngine,
+    store: ShardedEmbedding | None,
+    inputs: SparseInputs | None,
+    config: TrainConfig,
+    counters: _Counters,
+) -> None:
+    """The dense step (DeepSpeed applies it at accumulation boundaries) and the sparse one."""
+    boundary = engine.is_gradient_accumulation_boundary()
+    scale = _loss_scale(engine, config)  # before step(): the step may change it
+    if store is not None and inputs is not None:
+        store.accumulate_gradients(inputs.rows.grad, inputs.context)
+    engine.step()
+    if store is not None and boundary:
+        if engine.was_step_applied():
+            counters.rows_updated += store.step(grad_scale=scale)
+        else:  # fp16 overflow: DeepSpeed skipped the dense step; skip ours too
+            store.discard_gradients()
+
+
+def _checkpoint_step(
+    spec: dict[str, Any],
+    config: TrainConfig,
+    engine: deepspeed.DeepSpeedEngine,
+    store: ShardedEmbedding | None,
+    reader: ShardReader,
+    counters: _Counters,
+    resume_store: CheckpointStore | None,
+    preemption: Preemption | None,
+) -> None:
+    """Every rank, after a step: save a resume checkpoint when one is due or SIGTERM came.
+
+    Raises:
+        Preempted: SIGTERM arrived (after the checkpoint is committed).
+    """
+    step = counters.step
+    stop = preemption is not None and preemption.agreed()
+    if resume_store is None or not (step % config.checkpoint_every == 0 or stop):
+        return
+    if step >= int(spec["total_steps"]):
+        return  # the final state is saved anyway
+    save_resume_checkpoint(
+        resume_store,
+        engine,
+        store,
+        reader,
+        {"step": step, "micro_done": counters.micro_done},
+        spec["config_fingerprint"],
+        spec.get("chaos", {}).get("checkpoint_fault", ""),
+    )
+    if stop:
+        raise Preempted(
+            f"stopped by SIGTERM after step {step}; its resume checkpoint is "
+            f"committed under {resume_store.root}"
+        )
+
+
+def _progress_record(
+    config: TrainConfig,
+    counters: _Counters,
+    reader: ShardReader,
+    total_steps: int,
+    window_started: float,
+) -> tuple[dict[str, Any], float]:
+    """Every rank, at the same step: the record of the steps since the last one.
+
+    Sums the window over the ranks (collectives), updates the counters' final loss and
+    phase totals.
+
+    Returns:
+        (the record, time.monotonic() after the collectives).
+    """
+    world_size = dist.get_world_size()
+    samples_per_micro = config.batch_size * world_size
+    summed = counters.window.clone()
+    dist.all_reduce(summed)
+    rss_mb = gather_rss_mb(dist.get_rank(), world_size)
+    now = time.monotonic()
+    micro = float(summed[1]) / world_size
+    counters.final_loss = float(summed[0] / summed[1])
+    phase_ms = {
+        name: 1000.0 * float(summed[2 + i]) / float(summed[1]) * config.grad_accum_steps
+        for i, name in enumerate(PHASES)
+    }
+    for name in PHASES:
+        counters.totals[name] += phase_ms[name] * micro / config.grad_accum_steps
+    record = {
+        "step": counters.step,
+        "total_steps": total_steps,
+        "loss": counters.final_loss,
+        "samples_per_s": micro * samples_per_micro / max(now - window_started, 1e-9),
+        "epoch": counters.micro_done / reader.steps_per_epoch,
+        "step_ms": phase_ms,
+        "rss_mb": rss_mb,
+    }
+    return record, now
+
+
+def _save_final_checkpoint(
+    spec: dict[str, Any],
+    engine: deepspeed.DeepSpeedEngine,
+    store: ShardedEmbedding | None,
+    reader: ShardReader,
+    out_dir: Path,
+    rank: int,
+    world_size: int,
+) -> None:
+    """Every rank: its part of `checkpoints/final/` (dense part and embedding shard)."""
     checkpoint_dir = out_dir / CHECKPOINT_DIR
     engine.save_checkpoint(
         str(checkpoint_dir),
         tag=CHECKPOINT_TAG,
         client_state={
             "train_config": spec["train_config"],
-            "model_config": model_config,
+            "model_config": spec["model_config"],
             "reader_position": reader.position(),
         },
     )
@@ -420,39 +612,34 @@ def run(spec: dict[str, Any]) -> None:
             str(checkpoint_dir / CHECKPOINT_TAG / sparse_file(rank, world_size)),
         )
     dist.barrier()  # every rank's checkpoint part is on disk
-    _write_weights(
-        engine,
-        checkpoint_dir / CHECKPOINT_TAG,
-        out_dir / WEIGHTS_FILE,
-        config,
-        table_sizes if store is not None else None,
-        rank,
-        world_size,
-        spec.get("chaos", {}).get("consolidation_chunk_rows"),
-    )
-    if rank == 0:
-        samples = micro_done * samples_per_micro
-        summary = {
-            "final_loss": final_loss,
-            "steps": step,
-            "micro_steps": micro_done,
-            "samples": samples,
-            "samples_per_s": samples / max(seconds, 1e-9),
-            "seconds": seconds,
-            "world_size": world_size,
-            "embeddings": config.embeddings,
-            "step_ms": {name: totals[name] / max(step, 1) for name in PHASES},
-            "sparse_rows_updated_rank0": rows_updated,
-            "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "reader_position": reader.position(),
-            "resumed_from_step": None if resumed is None else resumed["step"],
-        }
-        (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    if log_file is not None:
-        log_file.close()
-    if writer is not None:
-        writer.close()
-    dist.barrier()  # rank 0's files are written before any rank reports success
+
+
+def _write_summary(
+    out_dir: Path,
+    config: TrainConfig,
+    counters: _Counters,
+    reader: ShardReader,
+    seconds: float,
+    world_size: int,
+) -> None:
+    """Rank 0: `train_summary.json`."""
+    samples = counters.micro_done * config.batch_size * world_size
+    summary = {
+        "final_loss": counters.final_loss,
+        "steps": counters.step,
+        "micro_steps": counters.micro_done,
+        "samples": samples,
+        "samples_per_s": samples / max(seconds, 1e-9),
+        "seconds": seconds,
+        "world_size": world_size,
+        "embeddings": config.embeddings,
+        "step_ms": {name: counters.totals[name] / max(counters.step, 1) for name in PHASES},
+        "sparse_rows_updated_rank0": counters.rows_updated,
+        "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "reader_position": reader.position(),
+        "resumed_from_step": counters.resumed_from_step,
+    }
+    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _loss_scale(engine: deepspeed.DeepSpeedEngine, config: TrainConfig) -> float:
@@ -460,25 +647,6 @@ def _loss_scale(engine: deepspeed.DeepSpeedEngine, config: TrainConfig) -> float
     if config.precision != "fp16":
         return 1.0
     return float(engine.optimizer.loss_scale)
-
-
-def _tensorboard(out_dir: Path, config: TrainConfig) -> Any:
-    if not config.tensorboard:
-        return None
-    from torch.utils.tensorboard import SummaryWriter  # imported only when used
-
-    return SummaryWriter(log_dir=str(out_dir / TENSORBOARD_DIR))
-
-
-def _write_scalars(writer: Any, record: dict[str, Any]) -> None:
-    step = record["step"]
-    writer.add_scalar("train/loss", record["loss"], step)
-    writer.add_scalar("train/samples_per_s", record["samples_per_s"], step)
-    for name, value in record["step_ms"].items():
-        writer.add_scalar(f"step_ms/{name}", value, step)
-    for rank, value in enumerate(record["rss_mb"]):
-        writer.add_scalar(f"memory_rss_mb/rank{rank}", value, step)
-    writer.flush()
 
 
 def _write_weights(

@@ -1,23 +1,54 @@
-"""The DeepSpeed config dict, built in exactly one place from the typed train config."""
+"""The DeepSpeed config dict, built in exactly one place from the typed train config.
+
+Both model families call `build_deepspeed_config`: the CTR ranks with every rank a
+data-parallel replica and AdamW, the sequence pipeline with world_size /
+pipeline_stages replicas and its own Adam betas (`AdamSettings`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from training.config import TrainConfig
 
 
+@dataclass(frozen=True)
+class AdamSettings:
+    """The dense optimizer a model family trains with (DeepSpeed's "Adam"/"AdamW").
+
+    DeepSpeed builds torch's AdamW for both names unless `adam_w_mode` is set false, so
+    `train.weight_decay` is decoupled weight decay either way.
+
+    Attributes:
+        type: DeepSpeed's optimizer name.
+        betas: Adam's (beta1, beta2).
+    """
+
+    type: Literal["Adam", "AdamW"]
+    betas: tuple[float, float]
+
+
+# The CTR models: AdamW with torch's default betas.
+CTR_ADAM = AdamSettings(type="AdamW", betas=(0.9, 0.999))
+
+
 def build_deepspeed_config(
-    config: TrainConfig, world_size: int, total_steps: int | None = None
+    config: TrainConfig,
+    world_size: int,
+    total_steps: int | None = None,
+    adam: AdamSettings = CTR_ADAM,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict; the only place one is built.
 
     Args:
         config: The train config.
-        world_size: Number of ranks (data-parallel degree).
+        world_size: Data-parallel degree: the number of ranks of a CTR run, the
+            replicas (ranks / pipeline_stages) of a pipeline run.
         total_steps: Optimizer steps of the run; with warmup_steps > 0 the learning rate
             warms up linearly then decays linearly to 0 at this step (without it, it
             stays at its peak after warmup).
+        adam: The family's optimizer name and betas.
 
     Returns:
         A JSON-able DeepSpeed config.
@@ -27,10 +58,10 @@ def build_deepspeed_config(
         "train_micro_batch_size_per_gpu": config.batch_size,
         "gradient_accumulation_steps": config.grad_accum_steps,
         "optimizer": {
-            "type": "AdamW",
+            "type": adam.type,
             "params": {
                 "lr": config.lr,
-                "betas": [0.9, 0.999],
+                "betas": list(adam.betas),
                 "eps": 1e-8,
                 "weight_decay": config.weight_decay,
                 # torch's AdamW: DeepSpeed's fused Adam would be compiled at first use.

@@ -1,5 +1,6 @@
 """What every DeepSpeed rank does whatever it trains: the entry point, seeding and RNG
-state, preemption on SIGTERM, and crash-safe resume checkpoints.
+state, preemption on SIGTERM, crash-safe resume checkpoints, and progress records
+(`train_log.jsonl`, `RECFORGE_PROGRESS` lines, TensorBoard scalars).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import deepspeed
 import deepspeed.comm as dist
@@ -28,6 +29,7 @@ from training.runtime.checkpoint import FAULT_POINTS, MANIFEST, CheckpointStore,
 from training.runtime.launcher import (
     CHAOS_CHECKPOINT_FAULT,
     ERROR_PREFIX,
+    PROGRESS_PREFIX,
 )
 
 
@@ -287,6 +289,56 @@ def rss_bytes() -> int:
         return pages * resource.getpagesize()
     except (OSError, IndexError, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gather_rss_mb(rank: int, world_size: int) -> list[float]:
+    """Every rank: each rank's resident memory in MiB, rounded to 0.1 (an all-reduce).
+
+    Args:
+        rank: This rank.
+        world_size: Number of ranks.
+
+    Returns:
+        world_size figures, rank order.
+    """
+    memory = torch.zeros(world_size, dtype=torch.float64)
+    memory[rank] = rss_bytes() / 2**20
+    dist.all_reduce(memory)
+    return [round(float(m), 1) for m in memory]
+
+
+def write_progress(log_file: IO[str], record: dict[str, Any]) -> None:
+    """Rank 0: one progress record, printed for the parent to stream and appended to the log.
+
+    Args:
+        log_file: The open `train_log.jsonl`.
+        record: {"step", "total_steps", "loss", "samples_per_s", "epoch", "step_ms",
+            "rss_mb"}.
+    """
+    print(PROGRESS_PREFIX + json.dumps(record), flush=True)
+    log_file.write(json.dumps(record) + "\n")
+    log_file.flush()
+
+
+def open_tensorboard(log_dir: Path | None) -> Any:
+    """Rank 0: a TensorBoard writer into `log_dir`, or None without one (train.tensorboard off)."""
+    if log_dir is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # imported only when used
+
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def write_scalars(writer: Any, record: dict[str, Any]) -> None:
+    """Rank 0: a progress record's figures as TensorBoard scalars at its step."""
+    step = record["step"]
+    writer.add_scalar("train/loss", record["loss"], step)
+    writer.add_scalar("train/samples_per_s", record["samples_per_s"], step)
+    for name, value in record["step_ms"].items():
+        writer.add_scalar(f"step_ms/{name}", value, step)
+    for rank, value in enumerate(record["rss_mb"]):
+        writer.add_scalar(f"memory_rss_mb/rank{rank}", value, step)
+    writer.flush()
 
 
 def rank_main(module: str, run_rank: Callable[[Path], None], argv: list[str] | None) -> int:

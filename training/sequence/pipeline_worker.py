@@ -11,24 +11,29 @@ Writes, on rank 0:
   "world_size", "num_stages", "parts", "seconds", "peak_rss_mb_rank0"}`, one loss per
   optimizer step (the mean over its micro batches, which DeepSpeed's pipeline engine
   broadcasts from the last stage to every rank);
-- `train_log` (when set): one progress record per `log_every` steps, also printed as
-  `RECFORGE_PROGRESS {...}` lines for the parent (`training.ctr.train`) to stream;
+- `train_log` (when set): one progress record per `train.log_every` steps, also printed
+  as `RECFORGE_PROGRESS {...}` lines for the parent (`training.sequence.train`) to stream;
+- `tensorboard_dir` (when set): the same records as TensorBoard scalars;
 
 when `checkpoint_dir` is set, DeepSpeed's pipeline checkpoint `checkpoint_dir/final/`
 (one `layer_NN-model_states.pt` per layer, written by each stage's first data-parallel
 rank, plus the optimizer states), and when `weights_file` is also set, that checkpoint
-consolidated into one fp32 `SASRec` state dict (safetensors), by rank 0 after every
+consolidated into one fp32 model state dict (safetensors), by rank 0 after every
 stage has written its layers.
 
+The model's pieces (pipeline layers, loss, micro batches, the layer-to-model name
+mapping) come from its `training.sequence.registry` entry; what to train from the
+spec's resolved train config and DeepSpeed config.
+
 Reproducibility: every layer is built from its own seed (`seed_layers`: layer i is
-seeded with `layer_base_seed(spec.seed) + i`), so the weights do not depend on how the layers are
-split into stages; the micro batches come from generators seeded by the spec's seed and
+seeded with `layer_base_seed(train.seed) + i`), so the weights do not depend on how the
+layers are split into stages; the micro batches come from generators seeded by train.seed and
 the data-parallel replica, identical on the first and the last stage of a replica
 (replicas get different synthetic streams, or every replicas-th Parquet row). A
 1-stage and a 2-stage run of the same spec thus train the same model on the same data.
 
-Resume: with `checkpoint_every` set, the ranks save crash-safe resume checkpoints
-under `checkpoint_root` every that many steps and on SIGTERM (`training.ctr.worker`'s
+Resume: with `train.checkpoint_every` set, the ranks save crash-safe resume checkpoints
+under `checkpoint_root` every that many steps and on SIGTERM (`training.runtime.rank`'s
 `save_resume_checkpoint` and `Preemption`: DeepSpeed's pipeline checkpoint, each rank's
 RNG states, a manifest with the config fingerprint). At start they continue from the
 newest valid one, on the world size that wrote it. The micro batch stream is replayed
@@ -48,8 +53,9 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import deepspeed
 import deepspeed.comm as dist
@@ -58,110 +64,101 @@ import pyarrow.parquet as pq
 import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.utils import set_random_seed
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from torch import nn
 
 from data_prep.errors import ConfigError, Preempted
-from training.config import check_pipeline_config
+from training.config import TrainConfig
 from training.runtime.checkpoint import CheckpointStore
 from training.runtime.consolidate import create_file, finish_file, plan_layout, write_dense
-from training.runtime.launcher import PROGRESS_PREFIX, RESUME_PREFIX
+from training.runtime.launcher import RESUME_PREFIX
 from training.runtime.memory import CHUNK_BYTES, FP32_BYTES
 from training.runtime.rank import (
     DENSE_TAG,
     Preemption,
     find_resume_point,
+    gather_rss_mb,
+    open_tensorboard,
     rank_main,
-    rss_bytes,
     save_resume_checkpoint,
+    write_progress,
+    write_scalars,
 )
-from training.sequence.bst import (
-    BST,
-    bst_batch,
-    bst_loss,
-    bst_pipeline_batch,
-    bst_pipeline_state_to_model,
-    build_bst_pipeline_layers,
-)
-from training.sequence.sasrec import (
-    LOSSES,
-    SASRec,
-    build_pipeline_layers,
-    next_item_batch,
-    pipeline_batch,
-    pipeline_state_to_sasrec,
-    sample_negatives,
-)
+from training.sequence.registry import sequence_model
+from training.sequence.sasrec import ARCHITECTURE_ARGS, pipeline_state_to_sasrec
 
 CHECKPOINT_TAG = "final"
 
 
 class PipelineSpec(BaseModel):
-    """What one pipeline run trains; unknown keys are refused."""
+    """What one pipeline run trains (`launch.json`); unknown keys are refused.
+
+    What to train comes from the resolved train config and the DeepSpeed config built
+    from it (`training.runtime.deepspeed_config`); the spec adds only what the train
+    stage derived from the data and the machine: the model's constructor arguments
+    (`num_items`, `max_length`, item features), the step count, the paths, the
+    resume fingerprint and the chaos tests' fault injection.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: Literal["sasrec", "bst"] = Field(
-        default="sasrec",
-        description="sasrec: next-item at every position; bst: one (history, target, label) "
-        "CTR sample per sequence and num_negatives sampled negative targets.",
+    train_config: TrainConfig = Field(description="The resolved `train` section.")
+    architecture: dict[str, Any] = Field(
+        description="The model's constructor arguments plus its name under 'model' "
+        "(`model_config.json`, see `training.sequence.registry`)."
     )
-    num_items: int = Field(ge=2, description="V, including the padding item 0.")
-    max_length: int = Field(ge=1, description="Input sequence length L.")
-    hidden_dim: int = Field(ge=1)
-    num_blocks: int = Field(ge=1)
-    num_heads: int = Field(ge=1)
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    loss: Literal["bce", "sampled_softmax"] = Field(
-        default="bce", description="SASRec's loss (BST always uses BCE on its labels)."
+    ds_config: dict[str, Any] = Field(
+        description="The DeepSpeed config, from `build_deepspeed_config`."
     )
-    mlp: list[int] = Field(default=[64, 32], description="BST: hidden sizes of the head MLP.")
-    item_features: dict[str, int] = Field(
-        default={}, description="SASRec: item side features, name -> number of indices."
+    steps: int = Field(ge=1, description="Optimizer steps (engine.train_batch calls).")
+    intra_op_threads: int | None = Field(
+        default=None, ge=1, description="torch threads per rank; None: torch's default."
+    )
+    sequences: Path | None = Field(
+        default=None, description="A train.parquet of data_prep.sequences; None: synthetic."
     )
     item_features_file: Path | None = Field(
         default=None, description="item_features.parquet of data_prep.sequences (item lookups)."
     )
-    num_negatives: int = Field(default=1, ge=1, description="Negatives per position.")
-    num_stages: int = Field(ge=1, description="Pipeline stages; must divide the world size.")
-    partition_method: Literal["blocks", "uniform", "parameters"] = "uniform"
-    intra_op_threads: int | None = Field(
-        default=None, ge=1, description="torch threads per rank; None: torch's default."
-    )
-    micro_batch_size: int = Field(ge=1)
-    gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro batches/step.")
-    steps: int = Field(ge=1, description="Optimizer steps (engine.train_batch calls).")
-    lr: float = Field(default=1e-3, gt=0.0)
-    seed: int = 0
-    fp32: bool = Field(default=True, description="fp32 weights; False trains in bf16.")
-    zero_stage: int = Field(default=0, ge=0, le=3)
-    sequences: Path | None = Field(
-        default=None, description="A train.parquet of data_prep.sequences; None: synthetic."
-    )
     out: Path = Field(description="Where rank 0 writes the per-step losses (JSON).")
-    log_every: int = Field(default=20, ge=1, description="Steps between progress records.")
     train_log: Path | None = Field(
         default=None, description="Progress records (JSON lines); None: no progress output."
+    )
+    tensorboard_dir: Path | None = Field(
+        default=None, description="TensorBoard event files (rank 0); None: none."
     )
     checkpoint_dir: Path | None = Field(
         default=None, description="DeepSpeed pipeline checkpoint root; None: no checkpoint."
     )
     weights_file: Path | None = Field(
         default=None,
-        description="Consolidated fp32 SASRec weights (safetensors); needs checkpoint_dir.",
-    )
-    checkpoint_every: int = Field(
-        default=0, ge=0, description="Steps between resume checkpoints; 0: none, no resume."
+        description="Consolidated fp32 model weights (safetensors); needs checkpoint_dir.",
     )
     checkpoint_root: Path | None = Field(
-        default=None, description="Resume checkpoints' directory (training.runtime.checkpoint)."
+        default=None,
+        description="Resume checkpoints' directory (training.runtime.checkpoint); needed "
+        "by train.checkpoint_every.",
     )
-    keep_checkpoints: int = Field(default=2, ge=1, description="Valid resume checkpoints kept.")
     config_fingerprint: str = Field(
         default="", description="What a resume must match (training.sequence.train)."
     )
     chaos: dict[str, Any] = Field(
-        default={}, description="Fault injection of the chaos tests (training.ctr.train)."
+        default={}, description="Fault injection of the chaos tests (training.runtime.launcher)."
     )
+
+    @model_validator(mode="after")
+    def _check_architecture(self) -> PipelineSpec:
+        missing = sorted(set(ARCHITECTURE_ARGS) - set(self.architecture))
+        if missing:
+            raise ValueError(f"architecture lacks {missing}; rebuild the spec with train")
+        if self.architecture.get("model") != self.train_config.model:
+            raise ValueError(
+                f"architecture.model={self.architecture.get('model')!r} but "
+                f"train_config.model={self.train_config.model!r}; rebuild the spec with train"
+            )
+        if self.train_config.checkpoint_every and self.checkpoint_root is None:
+            raise ValueError("train_config.checkpoint_every needs checkpoint_root")
+        return self
 
 
 def synthetic_sequences(
@@ -223,40 +220,34 @@ def parquet_sequences(
 def micro_batches(
     spec: PipelineSpec, replica: int = 0, replicas: int = 1
 ) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    """Endless pipeline micro batches.
+    """Endless pipeline micro batches, as the model's registry entry makes them.
 
     SASRec: ((history, positives, negatives), positives). BST: ((history, target),
-    label) with micro_batch_size x (1 + num_negatives) rows: each sequence's positive
+    label) with batch_size x (1 + num_negatives) rows: each sequence's positive
     target, then its negatives.
 
-    The stream depends on spec.seed and the replica only, so the first and the last
-    stage of a pipeline (which both read it) see the same batches, whatever num_stages.
+    The stream depends on the seed and the replica only, so the first and the last
+    stage of a pipeline (which both read it) see the same batches, whatever the stages.
 
     Args:
         spec: The run's spec.
         replica: Data-parallel replica index of the calling rank.
-        replicas: Data-parallel degree (world_size / num_stages).
+        replicas: Data-parallel degree (world_size / pipeline_stages).
     """
-    rng = np.random.default_rng((spec.seed, replica))
-    negatives_rng = torch.Generator().manual_seed(spec.seed * 65_537 + replica)
+    config, architecture = spec.train_config, spec.architecture
+    entry = sequence_model(config.model)
+    num_items, max_length = architecture["num_items"], architecture["max_length"]
+    rng = np.random.default_rng((config.seed, replica))
+    negatives_rng = torch.Generator().manual_seed(config.seed * 65_537 + replica)
     if spec.sequences is None:
-        source = synthetic_sequences(spec.num_items, spec.max_length, rng)
+        source = synthetic_sequences(num_items, max_length, rng)
     else:
-        min_items = 2 if spec.model == "bst" else 1
-        source = parquet_sequences(spec.sequences, replica, replicas, rng, min_items)
+        source = parquet_sequences(spec.sequences, replica, replicas, rng, entry.min_items)
     while True:
-        rows = [next(source) for _ in range(spec.micro_batch_size)]
-        if spec.model == "bst":
-            samples = bst_batch(
-                rows, spec.max_length, spec.num_items, spec.num_negatives, negatives_rng
-            )  # history (B', L), target (B',), label (B',)
-            yield bst_pipeline_batch(*samples)
-            continue
-        history, positives = next_item_batch(rows, spec.max_length)  # (B, L) each
-        negatives = sample_negatives(
-            positives, spec.num_items, spec.num_negatives, negatives_rng
-        )  # (B, L, N)
-        yield pipeline_batch(history, positives, negatives)
+        rows = [next(source) for _ in range(config.batch_size)]
+        yield entry.micro_batch(
+            rows, max_length, num_items, config.sequence.num_negatives, negatives_rng
+        )
 
 
 def seed_layer(seed: int) -> None:
@@ -273,31 +264,49 @@ def layer_base_seed(seed: int) -> int:
     return 1_000_003 * (seed + 1)
 
 
-def deepspeed_config(spec: PipelineSpec, data_parallel: int) -> dict[str, Any]:
-    """The DeepSpeed config of a pipeline run (global batch = micro x accum x dp)."""
-    return {
-        "train_batch_size": spec.micro_batch_size
-        * spec.gradient_accumulation_steps
-        * data_parallel,
-        "train_micro_batch_size_per_gpu": spec.micro_batch_size,
-        "gradient_accumulation_steps": spec.gradient_accumulation_steps,
-        "optimizer": {
-            "type": "Adam",
-            # torch's Adam: DeepSpeed's fused Adam would be compiled at first use.
-            "params": {"lr": spec.lr, "betas": [0.9, 0.98], "eps": 1e-8, "torch_adam": True},
-        },
-        "zero_optimization": {"stage": spec.zero_stage},
-        "bf16": {"enabled": not spec.fp32},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+@dataclass
+class _Resume:
+    """A run's resume state: the store and SIGTERM agreement (None without
+    train.checkpoint_every) and the step it continues from (0: a fresh start)."""
+
+    store: CheckpointStore | None
+    preemption: Preemption | None
+    start: int
 
 
 def run(spec: PipelineSpec) -> None:
     """Train one rank of the pipeline.
 
     Raises:
-        ConfigError: The stage count or ZeRO stage does not fit the launched ranks.
+        ConfigError: The launcher started another number of ranks than configured.
+        Preempted: SIGTERM arrived; the resume checkpoint of that step is committed.
+    """
+    rank, world_size = _start_rank(spec)
+    module = build_pipeline_module(spec)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        config=spec.ds_config,
+    )
+    replica, replicas = (
+        engine.grid.get_data_parallel_rank(),
+        engine.grid.get_data_parallel_world_size(),
+    )
+    data = micro_batches(spec, replica, replicas)
+    resume = _start_resume(spec, engine, module, data)
+    losses, seconds = _train_steps(spec, engine, data, resume, rank, world_size, replicas)
+    _save_pipeline_checkpoint(spec, engine)
+    dist.barrier()  # every stage's layer files are on disk
+    if rank == 0:
+        _write_outputs(spec, module, losses, seconds, resume.start, world_size, replicas)
+    dist.barrier()  # rank 0's files are written before any rank exits
+
+
+def _start_rank(spec: PipelineSpec) -> tuple[int, int]:
+    """Join the process group; returns (rank, world_size).
+
+    Raises:
+        ConfigError: The launched world size is not train.world_size.
     """
     if spec.intra_op_threads is not None:
         # Ranks sharing a machine's cores: torch's default (every core per rank)
@@ -305,91 +314,98 @@ def run(spec: PipelineSpec) -> None:
         torch.set_num_threads(spec.intra_op_threads)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    check_pipeline_config(world_size, spec.num_stages, spec.zero_stage)
+    if world_size != spec.train_config.world_size:
+        raise ConfigError(
+            f"train.world_size={spec.train_config.world_size} but the launcher started "
+            f"{world_size} ranks"
+        )
+    return rank, world_size
 
-    layers = build_layers(spec)
+
+def build_pipeline_module(spec: PipelineSpec) -> PipelineModule:
+    """The model's `PipelineModule` over train.pipeline_stages, item lookups set."""
+    config = spec.train_config
+    entry = sequence_model(config.model)
     # seed_layers: layer i is built right after seeding with base + i, on whichever
     # stage holds it, so the initial weights do not depend on num_stages. DeepSpeed
     # also reseeds before every layer's forward with base * micro_batch + i, which makes
     # dropout masks stage-independent; a large base keeps those seeds distinct per micro
     # batch (base 0 would repeat one mask).
+    partition = config.sequence.partition_method
     module = PipelineModule(
-        layers=layers,
-        num_stages=spec.num_stages,
-        loss_fn=bst_loss if spec.model == "bst" else LOSSES[spec.loss],
+        layers=entry.build_pipeline_layers(spec.architecture),
+        num_stages=config.pipeline_stages,
+        loss_fn=entry.losses[config.sequence.loss],
         # DeepSpeed's "type:" method balances the layers whose class name matches.
-        partition_method=(
-            "type:TransformerBlockPipe"
-            if spec.partition_method == "blocks"
-            else spec.partition_method
-        ),
+        partition_method="type:TransformerBlockPipe" if partition == "blocks" else partition,
         seed_layers=True,
         seed_fn=seed_layer,
-        base_seed=layer_base_seed(spec.seed),
+        base_seed=layer_base_seed(config.seed),
     )
     # Every stage holding the tied item table gets the same (untrained) item lookups.
     index = item_feature_index(spec)
     for tied in module.tied_modules.values():
         if index:
             tied.item_features.set_index(index)
-    engine, _, _, _ = deepspeed.initialize(
-        model=module,
-        model_parameters=[p for p in module.parameters() if p.requires_grad],
-        config=deepspeed_config(spec, world_size // spec.num_stages),
-    )
-    replica, replicas = (
-        engine.grid.get_data_parallel_rank(),
-        engine.grid.get_data_parallel_world_size(),
-    )
-    data = micro_batches(spec, replica, replicas)
-    resume_store, preemption, start = None, None, 0
-    if spec.checkpoint_every:
-        if spec.checkpoint_root is None:
-            raise ConfigError("checkpoint_every needs checkpoint_root in the pipeline spec")
-        resume_store = CheckpointStore(spec.checkpoint_root, keep=spec.keep_checkpoints, log=print)
-        start = _resume(resume_store, spec, engine, module)
-        for _ in range(start * spec.gradient_accumulation_steps):
-            next(data)  # replay the stream up to the checkpoint
-        preemption = Preemption(engine.device)
+    return module
+
+
+def _start_resume(
+    spec: PipelineSpec, engine: Any, module: PipelineModule, data: Iterator[Any]
+) -> _Resume:
+    """Every rank: continue from the newest valid resume checkpoint, if resuming is on.
+
+    The micro batch stream is replayed up to the checkpoint's step.
+    """
+    config = spec.train_config
+    if not config.checkpoint_every or spec.checkpoint_root is None:
+        return _Resume(None, None, 0)
+    store = CheckpointStore(spec.checkpoint_root, keep=config.keep_checkpoints, log=print)
+    start = _resume(store, spec, engine, module)
+    for _ in range(start * config.grad_accum_steps):
+        next(data)  # replay the stream up to the checkpoint
+    return _Resume(store, Preemption(engine.device), start)
+
+
+def _train_steps(
+    spec: PipelineSpec,
+    engine: Any,
+    data: Iterator[Any],
+    resume: _Resume,
+    rank: int,
+    world_size: int,
+    replicas: int,
+) -> tuple[list[float], float]:
+    """Every rank: the optimizer steps after resume.start; returns their losses and seconds.
+
+    Saves resume checkpoints every train.checkpoint_every steps and on SIGTERM, and
+    reports progress every train.log_every steps (rank 0 writes it).
+
+    Raises:
+        Preempted: SIGTERM arrived; the resume checkpoint of that step is committed.
+    """
+    config = spec.train_config
     # Sequences per step over all replicas; an epoch is one pass over the train rows.
-    samples_per_step = spec.micro_batch_size * spec.gradient_accumulation_steps * replicas
+    samples_per_step = config.batch_size * config.grad_accum_steps * replicas
     rows = pq.ParquetFile(spec.sequences).metadata.num_rows if spec.sequences else None
-    log_file = spec.train_log.open("a") if spec.train_log is not None and rank == 0 else None
+    on_rank0 = rank == 0
+    log_file = spec.train_log.open("a") if spec.train_log is not None and on_rank0 else None
+    writer = open_tensorboard(spec.tensorboard_dir) if on_rank0 else None
     losses: list[float] = []
     started = window_started = time.monotonic()
     try:
-        for step in range(start + 1, spec.steps + 1):
+        for step in range(resume.start + 1, spec.steps + 1):
             # The last stage computes the loss; the engine broadcasts it to every stage.
             losses.append(float(engine.train_batch(data_iter=data)))
-            stop = preemption is not None and preemption.agreed()
-            if resume_store is not None and step < spec.steps:
-                if step % spec.checkpoint_every == 0 or stop:
-                    counters = {"step": step, "micro_done": step * spec.gradient_accumulation_steps}
-                    save_resume_checkpoint(
-                        resume_store,
-                        engine,
-                        None,
-                        None,
-                        counters,
-                        spec.config_fingerprint,
-                        spec.chaos.get("checkpoint_fault", ""),
-                    )
-                if stop:
-                    raise Preempted(
-                        f"stopped by SIGTERM after step {step}; its resume checkpoint is "
-                        f"committed under {resume_store.root}"
-                    )
-            if spec.train_log is None or (step % spec.log_every and step != spec.steps):
+            _checkpoint_step(spec, engine, resume, step)
+            if spec.train_log is None or (step % config.log_every and step != spec.steps):
                 continue
             # Every rank reaches this collective at the same step.
-            memory = torch.zeros(world_size, dtype=torch.float64)
-            memory[rank] = rss_bytes() / 2**20
-            dist.all_reduce(memory)
+            rss_mb = gather_rss_mb(rank, world_size)
             now = time.monotonic()
             # The steps since the last record (fewer right after a resume).
-            window = losses[
-                -min(step - (step - 1) // spec.log_every * spec.log_every, step - start) :
-            ]
+            since = step - (step - 1) // config.log_every * config.log_every
+            window = losses[-min(since, step - resume.start) :]
             record = {
                 "step": step,
                 "total_steps": spec.steps,
@@ -397,58 +413,103 @@ def run(spec: PipelineSpec) -> None:
                 "samples_per_s": len(window) * samples_per_step / max(now - window_started, 1e-9),
                 "epoch": step * samples_per_step / rows if rows else None,
                 "step_ms": {"step": 1000.0 * (now - window_started) / len(window)},
-                "rss_mb": [round(float(m), 1) for m in memory],
+                "rss_mb": rss_mb,
             }
             window_started = now
             if log_file is not None:
-                print(PROGRESS_PREFIX + json.dumps(record), flush=True)
-                log_file.write(json.dumps(record) + "\n")
-                log_file.flush()
+                write_progress(log_file, record)
+            if writer is not None:
+                write_scalars(writer, record)
     finally:
         if log_file is not None:
             log_file.close()
-    seconds = time.monotonic() - started
+        if writer is not None:
+            writer.close()
+    return losses, time.monotonic() - started
 
-    if spec.checkpoint_dir is not None:
-        # Every rank calls it: each stage's first replica writes its layers, every rank
-        # its optimizer state.
-        engine.save_checkpoint(
-            str(spec.checkpoint_dir),
-            tag=CHECKPOINT_TAG,
-            client_state={"spec": spec.model_dump(mode="json")},
+
+def _checkpoint_step(spec: PipelineSpec, engine: Any, resume: _Resume, step: int) -> None:
+    """Every rank, after a step: save a resume checkpoint when one is due or SIGTERM came.
+
+    Raises:
+        Preempted: SIGTERM arrived (after the checkpoint is committed).
+    """
+    # Every rank takes part in the agreement, even at the last step.
+    stop = resume.preemption is not None and resume.preemption.agreed()
+    if resume.store is None or step >= spec.steps:
+        return  # the final state is saved anyway
+    if step % spec.train_config.checkpoint_every == 0 or stop:
+        counters = {"step": step, "micro_done": step * spec.train_config.grad_accum_steps}
+        save_resume_checkpoint(
+            resume.store,
+            engine,
+            None,
+            None,
+            counters,
+            spec.config_fingerprint,
+            spec.chaos.get("checkpoint_fault", ""),
         )
-    dist.barrier()  # every stage's layer files are on disk
-    if rank == 0:
-        if spec.checkpoint_dir is not None and spec.weights_file is not None:
-            to_model = bst_pipeline_state_to_model if spec.model == "bst" else None
-            state = consolidate_pipeline_checkpoint(
-                spec.checkpoint_dir / CHECKPOINT_TAG, to_model or pipeline_state_to_sasrec
-            )
-            spec.weights_file.parent.mkdir(parents=True, exist_ok=True)
-            write_model_weights(state, spec, spec.weights_file)
-        window = min(len(losses), spec.log_every)
-        done = spec.steps - start  # this run's steps
-        record = {
-            "losses": losses,  # from step start + 1 on
-            "final_loss": sum(losses[-window:]) / window,
-            "steps": spec.steps,
-            "samples": spec.steps * samples_per_step,
-            "samples_per_s": done * samples_per_step / max(seconds, 1e-9),
-            "resumed_from_step": start or None,
-            "world_size": world_size,
-            "num_stages": spec.num_stages,
-            "parts": [int(part) for part in module.parts],
-            "seconds": seconds,
-            "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        }
-        spec.out.parent.mkdir(parents=True, exist_ok=True)
-        spec.out.write_text(json.dumps(record, indent=2) + "\n")
-    dist.barrier()  # rank 0's files are written before any rank exits
+    if stop:
+        raise Preempted(
+            f"stopped by SIGTERM after step {step}; its resume checkpoint is "
+            f"committed under {resume.store.root}"
+        )
+
+
+def _save_pipeline_checkpoint(spec: PipelineSpec, engine: Any) -> None:
+    """Every rank: DeepSpeed's final pipeline checkpoint, when checkpoint_dir is set.
+
+    Each stage's first replica writes its layers, every rank its optimizer state.
+    """
+    if spec.checkpoint_dir is None:
+        return
+    engine.save_checkpoint(
+        str(spec.checkpoint_dir),
+        tag=CHECKPOINT_TAG,
+        client_state={"spec": spec.model_dump(mode="json")},
+    )
+
+
+def _write_outputs(
+    spec: PipelineSpec,
+    module: PipelineModule,
+    losses: list[float],
+    seconds: float,
+    start: int,
+    world_size: int,
+    replicas: int,
+) -> None:
+    """Rank 0: the consolidated weights (with weights_file) and the run summary (`out`)."""
+    config = spec.train_config
+    if spec.checkpoint_dir is not None and spec.weights_file is not None:
+        to_model = sequence_model(config.model).pipeline_state_to_model
+        state = consolidate_pipeline_checkpoint(spec.checkpoint_dir / CHECKPOINT_TAG, to_model)
+        spec.weights_file.parent.mkdir(parents=True, exist_ok=True)
+        write_model_weights(state, spec, spec.weights_file)
+    samples_per_step = config.batch_size * config.grad_accum_steps * replicas
+    window = min(len(losses), config.log_every)
+    done = spec.steps - start  # this run's steps
+    record = {
+        "losses": losses,  # from step start + 1 on
+        "final_loss": sum(losses[-window:]) / window,
+        "steps": spec.steps,
+        "samples": spec.steps * samples_per_step,
+        "samples_per_s": done * samples_per_step / max(seconds, 1e-9),
+        "resumed_from_step": start or None,
+        "world_size": world_size,
+        "num_stages": config.pipeline_stages,
+        "parts": [int(part) for part in module.parts],
+        "seconds": seconds,
+        "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    spec.out.parent.mkdir(parents=True, exist_ok=True)
+    spec.out.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _resume(store: CheckpointStore, spec: PipelineSpec, engine: Any, module: PipelineModule) -> int:
     """Every rank: load the newest valid resume checkpoint, if any; returns its step (or 0)."""
-    point = find_resume_point(store, spec.config_fingerprint, spec.zero_stage, convertible=False)
+    config = spec.train_config
+    point = find_resume_point(store, spec.config_fingerprint, config.zero_stage, convertible=False)
     if point is None:
         return 0
     engine.load_checkpoint(
@@ -456,7 +517,7 @@ def _resume(store: CheckpointStore, spec: PipelineSpec, engine: Any, module: Pip
     )
     step = int(point.meta["step"])
     # PipelineModule reseeds each layer's forward from its count of micro batches.
-    module.micro_offset = step * spec.gradient_accumulation_steps
+    module.micro_offset = step * config.grad_accum_steps
     if dist.get_rank() == 0:
         record = {
             "step": step,
@@ -467,50 +528,28 @@ def _resume(store: CheckpointStore, spec: PipelineSpec, engine: Any, module: Pip
     return step
 
 
-def _architecture(spec: PipelineSpec) -> tuple[int, int, int, int, int, float]:
-    """The constructor arguments SASRec and BST share, in their order."""
-    return (
-        spec.num_items,
-        spec.max_length,
-        spec.hidden_dim,
-        spec.num_blocks,
-        spec.num_heads,
-        spec.dropout,
-    )
-
-
-def build_layers(spec: PipelineSpec) -> list:
-    """The spec's model as `deepspeed.pipe` layer specs."""
-    args = _architecture(spec)
-    if spec.model == "bst":
-        return build_bst_pipeline_layers(*args, spec.mlp)
-    return build_pipeline_layers(*args, spec.item_features)
-
-
-def build_model(spec: PipelineSpec) -> SASRec | BST:
+def build_model(spec: PipelineSpec) -> nn.Module:
     """The spec's model as one module (what the consolidated weights load into)."""
-    args = _architecture(spec)
-    return BST(*args, spec.mlp) if spec.model == "bst" else SASRec(*args, spec.item_features)
+    return sequence_model(spec.train_config.model).build_model(spec.architecture)
 
 
 def item_feature_index(spec: PipelineSpec) -> dict[str, torch.Tensor]:
-    """The item -> feature index lookups of `spec.item_features`, from its Parquet file.
+    """The item -> feature index lookups of the model's item features, from their Parquet file.
 
     Raises:
         ConfigError: Features are named but the file is missing or lacks one of them.
     """
-    if not spec.item_features:
+    features = dict(spec.architecture.get("item_features") or {})
+    if not features:
         return {}
     path = spec.item_features_file
     if path is None or not path.is_file():
-        raise ConfigError(
-            f"item_features {sorted(spec.item_features)} need item_features_file, got {path}"
-        )
+        raise ConfigError(f"item_features {sorted(features)} need item_features_file, got {path}")
     table = pq.read_table(path)
-    missing = sorted(set(spec.item_features) - set(table.column_names))
+    missing = sorted(set(features) - set(table.column_names))
     if missing:
         raise ConfigError(f"{path} has no column(s) {missing}; rerun preprocess")
-    return {name: torch.from_numpy(table.column(name).to_numpy()) for name in spec.item_features}
+    return {name: torch.from_numpy(table.column(name).to_numpy()) for name in features}
 
 
 def consolidate_pipeline_checkpoint(
@@ -568,8 +607,8 @@ def write_model_weights(state: dict[str, torch.Tensor], spec: PipelineSpec, path
         unexpected = sorted(set(got) - set(expected))
         shapes = sorted(n for n in set(got) & set(expected) if got[n] != expected[n])
         raise ValueError(
-            f"the pipeline checkpoint does not rebuild the {spec.model} model: missing "
-            f"{missing}, unexpected {unexpected}, other shapes {shapes}"
+            f"the pipeline checkpoint does not rebuild the {spec.train_config.model} model: "
+            f"missing {missing}, unexpected {unexpected}, other shapes {shapes}"
         )
     layout = plan_layout(got, dtypes={name: t.dtype for name, t in state.items()})
     partial = create_file(path, layout)

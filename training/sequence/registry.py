@@ -22,6 +22,7 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from data_prep.errors import ConfigError
+from training.runtime.deepspeed_config import AdamSettings
 from training.sequence.bst import (
     bst_activation_shape,
     bst_loss,
@@ -73,6 +74,8 @@ class SequenceModel:
             raises ConfigError for inputs the model cannot take.
         activation_shape: (sequences per micro batch, L, negatives) -> (rows, positions,
             candidate vectors gathered per position), for the memory plan.
+        adam: The dense optimizer's DeepSpeed name and betas
+            (`training.runtime.deepspeed_config.build_deepspeed_config`).
 
     Evaluate and export:
         config_keys: The `model_config.json` keys besides "model" the model needs;
@@ -96,11 +99,16 @@ class SequenceModel:
     min_items: int
     model_options: Callable[[list[int], Mapping[str, int]], dict[str, Any]]
     activation_shape: Callable[[int, int, int], tuple[int, int, int]]
+    adam: AdamSettings
     # Evaluate and export.
     config_keys: tuple[str, ...]
     optional_config_keys: tuple[str, ...]
     ranking_score_fn: Callable[[Any, torch.Tensor, int, int], ScoreFn]
     full_ranking: bool
+
+
+# SASRec's Adam (Kang & McAuley, 2018: beta2 = 0.98); BST trains with the same.
+TRANSFORMER_ADAM = AdamSettings(type="Adam", betas=(0.9, 0.98))
 
 
 SEQUENCE_MODEL_REGISTRY: Mapping[str, SequenceModel] = {
@@ -114,6 +122,7 @@ SEQUENCE_MODEL_REGISTRY: Mapping[str, SequenceModel] = {
         min_items=1,
         model_options=sasrec_model_options,
         activation_shape=sasrec_activation_shape,
+        adam=TRANSFORMER_ADAM,
         # Evaluate and export.
         config_keys=ARCHITECTURE_ARGS,
         optional_config_keys=("item_features",),
@@ -132,6 +141,7 @@ SEQUENCE_MODEL_REGISTRY: Mapping[str, SequenceModel] = {
         min_items=2,
         model_options=bst_model_options,
         activation_shape=bst_activation_shape,
+        adam=TRANSFORMER_ADAM,
         # Evaluate and export.
         config_keys=(*ARCHITECTURE_ARGS, "mlp"),
         optional_config_keys=(),

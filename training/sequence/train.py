@@ -32,37 +32,34 @@ from typing import Any, Literal
 import pyarrow.parquet as pq
 
 from data_prep.errors import ConfigError, InputNotFoundError
-from training.config import SEQUENCE_MODELS, TrainConfig, check_pipeline_config
+from training.config import TrainConfig
+from training.runtime.deepspeed_config import build_deepspeed_config
 from training.runtime.files import (
     CHECKPOINT_DIR,
-    LAUNCH_FILE,
-    LAUNCHER_LOG_FILE,
-    MEMORY_PLAN_FILE,
-    MODEL_CONFIG_FILE,
-    RANKS_FILE,
-    RESUME_DIR,
     SUMMARY_FILE,
-    TRAIN_CONFIG_FILE,
+    TENSORBOARD_DIR,
     TRAIN_LOG_FILE,
     WEIGHTS_FILE,
-    write_json,
 )
-from training.runtime.launcher import (
-    TrainResult,
-    chaos_settings,
-    launch_ranks,
-    launcher_command,
-    launcher_env,
-)
+from training.runtime.launcher import TrainResult, chaos_settings, launcher_env
 from training.runtime.memory import (
     CHUNK_BYTES,
     FP32_BYTES,
     RUNTIME_BYTES,
     MemoryPlan,
     human_bytes,
-    plan_record,
 )
+from training.runtime.stage import (
+    NOT_FINGERPRINTED,
+    LaunchPlan,
+    launch_train_ranks,
+    resume_root,
+    train_result,
+)
+from training.sequence.pipeline_worker import PipelineSpec
+from training.sequence.registry import sequence_model
 
+PIPELINE_WORKER = "training.sequence.pipeline_worker"
 SEQUENCES_META_FILE = "sequences.json"
 TRAIN_SEQUENCES_FILE = "train.parquet"
 ITEM_FEATURES_FILE = "item_features.parquet"
@@ -102,8 +99,12 @@ def read_sequences_meta(sequences_dir: Path) -> dict[str, Any]:
 def sequence_model_config(config: TrainConfig, meta: Mapping[str, Any]) -> dict[str, Any]:
     """The model's constructor arguments (what `model_config.json` holds).
 
+    The shared architecture plus the model's own options (its registry entry's
+    `model_options`: SASRec's item features, BST's head MLP).
+
     Raises:
-        ConfigError: train.sequence.max_length exceeds the sequences' length.
+        ConfigError: train.sequence.max_length exceeds the sequences' length, or the
+            model cannot take preprocess's item features (BST).
     """
     max_length = config.sequence.max_length or int(meta["max_length"])
     if max_length > int(meta["max_length"]):
@@ -122,16 +123,7 @@ def sequence_model_config(config: TrainConfig, meta: Mapping[str, Any]) -> dict[
         "dropout": config.sequence.dropout,
     }
     features = dict(meta.get("item_features") or {})
-    if config.model == "bst":
-        if features:
-            raise ConfigError(
-                f"train.model=bst takes no item side features, but preprocess wrote "
-                f"{sorted(features)} (preprocess.sequence_item_features); remove them or use "
-                "train.model: sasrec"
-            )
-        model_config["mlp"] = list(config.sequence.mlp)
-    else:
-        model_config["item_features"] = features
+    model_config.update(sequence_model(config.model).model_options(config.sequence.mlp, features))
     return model_config
 
 
@@ -164,9 +156,10 @@ def plan_sequence_memory(
     batches a stage keeps in flight (up to pipeline_stages under DeepSpeed's 1F1B
     schedule), the train histories the reader holds, and the piece of at most
     CHUNK_BYTES rank 0 converts at a time when it streams the memory-mapped layer files
-    into model.safetensors. BST runs (1 + num_negatives) rows of L + 1
-    positions per sequence and gathers no candidate vectors; its head MLP is small and
-    not counted.
+    into model.safetensors. The rows, positions and candidate vectors of a micro batch
+    are the model's (its registry entry's `activation_shape`: BST runs (1 + num_negatives)
+    rows of L + 1 positions per sequence and gathers no candidate vectors); a head MLP
+    is small and not counted.
     """
     num_items, length = model_config["num_items"], model_config["max_length"]
     dim, blocks = model_config["hidden_dim"], model_config["num_blocks"]
@@ -181,13 +174,10 @@ def plan_sequence_memory(
     if config.zero_stage >= 1:
         adam_bytes = math.ceil(adam_bytes / config.data_parallel_size())
     in_flight = min(stages, config.grad_accum_steps)
-    negatives = config.sequence.num_negatives
-    if model_config["model"] == "bst":
-        batch, positions = config.batch_size * (1 + negatives), length + 1
-        candidates = 0
-    else:
-        batch, positions = config.batch_size, length
-        candidates = 2 * batch * length * (1 + negatives) * dim  # gathered vectors, grads
+    batch, positions, per_position = sequence_model(model_config["model"]).activation_shape(
+        config.batch_size, length, config.sequence.num_negatives
+    )
+    candidates = 2 * batch * positions * per_position * dim  # gathered vectors, grads
     blocks_here = math.ceil(blocks / stages)
     activations = (
         in_flight
@@ -273,101 +263,161 @@ def train_sequence_model(
 
     Raises:
         InputNotFoundError: The sequences are missing.
-        ConfigError: The model is not a sequence model, the layout cannot run, the
-            data is too small, or the memory plan does not fit.
+        ConfigError: The model is not a sequence model, the data is too small, or the
+            memory plan does not fit (the pipeline layout is checked when the config is
+            parsed).
         TrainingCrashed: The launcher or a rank exited non-zero.
     """
     started = time.monotonic()
-    if config.model not in SEQUENCE_MODELS:
-        raise ConfigError(f"train.model={config.model!r} is not one of {list(SEQUENCE_MODELS)}")
-    check_pipeline_config(config.world_size, config.pipeline_stages, config.zero_stage)
-    sequences_dir = Path(sequences_dir).resolve()
     out_dir = Path(out_dir).resolve()
     launch_env = launcher_env(env, accelerator)
+    plan = plan_sequence_run(
+        config, sequences_dir, out_dir, accelerator, env, memory_budget, checkpoint_root
+    )
+    summary = launch_train_ranks(
+        config,
+        plan,
+        out_dir,
+        PIPELINE_WORKER,
+        python,
+        master_port,
+        launch_env,
+        on_log,
+        on_progress,
+    )
+    step_ms = {"step": 1000.0 * summary["seconds"] / max(int(summary["steps"]), 1)}
+    return train_result(out_dir, summary, started, plan.memory_plan, step_ms)
+
+
+def plan_sequence_run(
+    config: TrainConfig,
+    sequences_dir: Path,
+    out_dir: Path,
+    accelerator: Literal["cpu", "cuda"],
+    env: Mapping[str, str],
+    memory_budget: tuple[int, str] | None = None,
+    checkpoint_root: Path | None = None,
+) -> LaunchPlan:
+    """Everything `train_sequence_model` decides before it launches.
+
+    Args:
+        config: The train config (`model` one of SEQUENCE_MODELS).
+        sequences_dir: Preprocess's `sequences/` directory.
+        out_dir: The train output directory.
+        accelerator: "cpu" or "cuda".
+        env: The caller's environment (only the chaos tests' settings are read from it).
+        memory_budget: As `train_sequence_model`.
+        checkpoint_root: As `train_sequence_model`.
+
+    Returns:
+        The `PipelineSpec` (as JSON), the model config and the memory plan.
+
+    Raises:
+        InputNotFoundError: The sequences are missing.
+        ConfigError: Not a sequence model, data too small for the replicas, or a memory
+            plan over budget.
+    """
+    sequence_model(config.model)  # a ConfigError for a CTR model, before any I/O
+    sequences_dir = Path(sequences_dir).resolve()
+    out_dir = Path(out_dir).resolve()
     meta = read_sequences_meta(sequences_dir)
     model_config = sequence_model_config(config, meta)
     train_rows = pq.ParquetFile(sequences_dir / TRAIN_SEQUENCES_FILE).metadata.num_rows
     total_steps = plan_sequence_steps(config, train_rows)
-    plan = plan_sequence_memory(config, model_config, train_rows)
+    memory_plan = plan_sequence_memory(config, model_config, train_rows)
     if config.memory_per_rank_gb is not None:
-        check_sequence_memory(
-            plan, int(config.memory_per_rank_gb * 2**30), "train.memory_per_rank_gb"
-        )
+        budget = int(config.memory_per_rank_gb * 2**30)
+        check_sequence_memory(memory_plan, budget, "train.memory_per_rank_gb")
     elif memory_budget is not None:
-        check_sequence_memory(plan, *memory_budget)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (TRAIN_LOG_FILE, SUMMARY_FILE, WEIGHTS_FILE, LAUNCHER_LOG_FILE):
-        (out_dir / stale).unlink(missing_ok=True)
-    write_json(out_dir / MEMORY_PLAN_FILE, plan_record(plan))
-    write_json(out_dir / TRAIN_CONFIG_FILE, config.model_dump(mode="json"))
-    write_json(out_dir / MODEL_CONFIG_FILE, model_config)
-    spec = {
-        **model_config,
-        "loss": config.sequence.loss,
-        "num_negatives": config.sequence.num_negatives,
-        "num_stages": config.pipeline_stages,
-        "partition_method": config.sequence.partition_method,
+        check_sequence_memory(memory_plan, *memory_budget)
+    root = resume_root(checkpoint_root, out_dir)
+    spec = build_pipeline_spec(
+        config,
+        model_config,
+        total_steps,
+        out_dir,
+        sequences_dir=sequences_dir,
+        checkpoint_root=root,
         # CPU ranks share this machine's cores; on GPUs torch's default is right.
-        "intra_op_threads": (
+        intra_op_threads=(
             max(1, (os.cpu_count() or 1) // config.world_size) if accelerator == "cpu" else None
         ),
-        "micro_batch_size": config.batch_size,
-        "gradient_accumulation_steps": config.grad_accum_steps,
-        "steps": total_steps,
-        "lr": config.lr,
-        "seed": config.seed,
-        "fp32": config.precision == "fp32",
-        "zero_stage": config.zero_stage,
-        "sequences": str(sequences_dir / TRAIN_SEQUENCES_FILE),
-        "item_features_file": (
-            str(sequences_dir / ITEM_FEATURES_FILE) if model_config.get("item_features") else None
-        ),
-        "out": str(out_dir / SUMMARY_FILE),
-        "log_every": config.log_every,
-        "train_log": str(out_dir / TRAIN_LOG_FILE),
-        "checkpoint_dir": str(out_dir / CHECKPOINT_DIR),
-        "weights_file": str(out_dir / WEIGHTS_FILE),
-        "checkpoint_every": config.checkpoint_every,
-        "checkpoint_root": str(Path(checkpoint_root or out_dir / RESUME_DIR).resolve()),
-        "keep_checkpoints": config.keep_checkpoints,
-    }
-    spec["config_fingerprint"] = sequence_fingerprint(spec)
-    spec["chaos"] = chaos_settings(env)
-    spec_path = out_dir / LAUNCH_FILE
-    write_json(spec_path, spec)
-    command = launcher_command(
-        python, config.world_size, master_port, "training.sequence.pipeline_worker", spec_path
+        chaos=chaos_settings(env),
     )
-    owner = Path(spec["checkpoint_root"]) / RANKS_FILE if config.checkpoint_every else None
-    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner)
-    return TrainResult(
-        out_dir=out_dir,
-        final_loss=float(summary["final_loss"]),
-        steps=int(summary["steps"]),
-        samples_per_s=float(summary["samples_per_s"]),
-        seconds=time.monotonic() - started,
-        step_ms={"step": 1000.0 * summary["seconds"] / max(int(summary["steps"]), 1)},
-        memory_plan=plan,
-        resumed_from_step=summary.get("resumed_from_step"),
-    )
+    return LaunchPlan(spec.model_dump(mode="json"), model_config, memory_plan, root)
 
 
-# Where a pipeline spec's files go, and how often it reports and saves: not what it trains.
+def build_pipeline_spec(
+    config: TrainConfig,
+    model_config: Mapping[str, Any],
+    steps: int,
+    out_dir: Path,
+    sequences_dir: Path | None = None,
+    checkpoint_root: Path | None = None,
+    intra_op_threads: int | None = None,
+    chaos: Mapping[str, Any] | None = None,
+) -> PipelineSpec:
+    """The launch spec of a pipeline run, with its outputs under `out_dir`.
+
+    Args:
+        config: The train config (`model` one of SEQUENCE_MODELS).
+        model_config: The model's constructor arguments (`sequence_model_config`).
+        steps: Optimizer steps (`plan_sequence_steps`).
+        out_dir: Where the ranks write the log, checkpoint, weights and summary.
+        sequences_dir: Preprocess's `sequences/`; None trains on synthetic sequences.
+        checkpoint_root: The resume checkpoints' directory; default `out_dir/resume`.
+        intra_op_threads: torch threads per rank; None: torch's default.
+        chaos: The chaos tests' fault injection (`chaos_settings`).
+
+    Returns:
+        The spec, its `config_fingerprint` set.
+    """
+    adam = sequence_model(config.model).adam
+    ds_config = build_deepspeed_config(config, config.data_parallel_size(), steps, adam)
+    features_file = None
+    if sequences_dir is not None and model_config.get("item_features"):
+        features_file = sequences_dir / ITEM_FEATURES_FILE
+    spec = PipelineSpec(
+        train_config=config,
+        architecture=dict(model_config),
+        ds_config=ds_config,
+        steps=steps,
+        intra_op_threads=intra_op_threads,
+        sequences=None if sequences_dir is None else sequences_dir / TRAIN_SEQUENCES_FILE,
+        item_features_file=features_file,
+        out=out_dir / SUMMARY_FILE,
+        train_log=out_dir / TRAIN_LOG_FILE,
+        tensorboard_dir=out_dir / TENSORBOARD_DIR if config.tensorboard else None,
+        checkpoint_dir=out_dir / CHECKPOINT_DIR,
+        weights_file=out_dir / WEIGHTS_FILE,
+        checkpoint_root=resume_root(checkpoint_root, out_dir),
+        chaos=dict(chaos or {}),
+    )
+    return spec.model_copy(update={"config_fingerprint": sequence_fingerprint(spec)})
+
+
+# Where a spec's files go, and how the run reports, saves and is tested: not what it
+# trains, so a resume may change them.
 _SPEC_NOT_FINGERPRINTED = (
     "out",
     "train_log",
-    "log_every",
+    "tensorboard_dir",
     "checkpoint_dir",
     "weights_file",
-    "checkpoint_every",
     "checkpoint_root",
-    "keep_checkpoints",
     "config_fingerprint",
+    "chaos",
 )
 
 
-def sequence_fingerprint(spec: Mapping[str, Any]) -> str:
-    """sha256 of what a resumed pipeline run must share with the one that wrote it."""
-    payload = {k: v for k, v in spec.items() if k not in _SPEC_NOT_FINGERPRINTED}
+def sequence_fingerprint(spec: PipelineSpec) -> str:
+    """sha256 of what a resumed pipeline run must share with the one that wrote it.
+
+    The spec less its output paths, with the train config less its reporting and
+    saving fields (`NOT_FINGERPRINTED`).
+    """
+    payload = spec.model_dump(mode="json", exclude=set(_SPEC_NOT_FINGERPRINTED))
+    payload["train_config"] = {
+        k: v for k, v in payload["train_config"].items() if k not in NOT_FINGERPRINTED
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from data_prep.errors import ConfigError
-from training.config import check_pipeline_config
+from training.config import TrainConfig, check_pipeline_config
 from training.runtime.consolidate import create_file, finish_file, plan_layout, write_dense
 from training.sequence.pipeline_worker import (
     PipelineSpec,
@@ -33,6 +33,7 @@ from training.sequence.sasrec import (
     sample_negatives,
     sampled_softmax_loss,
 )
+from training.sequence.train import build_pipeline_spec, sequence_model_config
 
 REPO = Path(__file__).resolve().parents[3]
 ARGS = {
@@ -297,28 +298,54 @@ def test_model_args_are_checked() -> None:
         SASRec(**{**ARGS, "num_items": 1})
 
 
-SPEC = {
-    "num_items": 200,
-    "max_length": 16,
-    "hidden_dim": 32,
-    "num_blocks": 2,
-    "num_heads": 2,
-    "dropout": 0.0,
-    "micro_batch_size": 8,
-    "gradient_accumulation_steps": 2,
-    "steps": 20,
+# The data-derived sizes and the train section of the pipeline runs below.
+SIZES = {"num_items": 200, "max_length": 16}
+TRAIN = {
+    "model": "sasrec",
+    "sequence": {
+        "hidden_dim": 32,
+        "num_blocks": 2,
+        "num_heads": 2,
+        "dropout": 0.0,
+        "partition_method": "uniform",
+    },
+    "batch_size": 8,
+    "grad_accum_steps": 2,
     "lr": 0.01,
     "seed": 3,
-    "fp32": True,
+    "log_every": 5,
 }
+STEPS = 20
+
+
+def pipeline_spec(
+    out_dir: Path,
+    num_stages: int = 1,
+    world_size: int | None = None,
+    sizes: dict | None = None,
+    steps: int = STEPS,
+    sequences_dir: Path | None = None,
+    **train: object,
+) -> PipelineSpec:
+    """The spec the train stage would write for TRAIN (synthetic data unless sequences_dir)."""
+    sequence = {**TRAIN["sequence"], **train.pop("sequence", {})}
+    config = TrainConfig(
+        **{**TRAIN, "sequence": sequence, **train},
+        pipeline_stages=num_stages,
+        world_size=world_size or num_stages,
+    )
+    model_config = sequence_model_config(config, sizes or SIZES)
+    return build_pipeline_spec(config, model_config, steps, out_dir, sequences_dir=sequences_dir)
 
 
 def test_spec_refuses_unknown_keys_and_batches_are_reproducible(tmp_path: Path) -> None:
+    spec = pipeline_spec(tmp_path)
     path = tmp_path / "spec.json"
-    path.write_text(json.dumps({**SPEC, "num_stages": 1, "out": "o.json", "stages": 2}))
+    path.write_text(json.dumps({**spec.model_dump(mode="json"), "stages": 2}))
     with pytest.raises(ConfigError, match="stages"):
         load_spec(path)
-    spec = PipelineSpec(**SPEC, num_stages=1, out=tmp_path / "o.json")
+    path.write_text(json.dumps(spec.model_dump(mode="json")))
+    assert load_spec(path) == spec
     first, second = micro_batches(spec), micro_batches(spec)
     for _ in range(3):
         (inputs, labels), (inputs_again, labels_again) = next(first), next(second)
@@ -329,16 +356,45 @@ def test_spec_refuses_unknown_keys_and_batches_are_reproducible(tmp_path: Path) 
         assert (history[:, -1] > 0).all() and (positives[history == 0] == 0).all()
 
 
+def test_the_spec_carries_the_resolved_train_and_deepspeed_configs(tmp_path: Path) -> None:
+    spec = pipeline_spec(
+        tmp_path, num_stages=2, world_size=4, zero_stage=1, grad_clip=0.5, warmup_steps=3
+    )
+    # One builder for both families: grad_clip, warmup (with the total steps) and weight
+    # decay reach the pipeline engine; the global batch counts the 2 replicas only.
+    assert spec.ds_config["gradient_clipping"] == 0.5
+    assert spec.ds_config["scheduler"]["type"] == "WarmupDecayLR"
+    assert spec.ds_config["scheduler"]["params"]["total_num_steps"] == STEPS
+    assert spec.ds_config["train_batch_size"] == 8 * 2 * 2
+    assert spec.ds_config["optimizer"]["type"] == "Adam"
+    assert spec.ds_config["optimizer"]["params"]["betas"] == [0.9, 0.98]
+    assert spec.ds_config["zero_optimization"] == {"stage": 1}
+    assert spec.train_config.pipeline_stages == 2 and spec.architecture["num_items"] == 200
+    # What a resume must match changes with what is trained, not with where it is written.
+    moved = pipeline_spec(
+        tmp_path / "elsewhere",
+        num_stages=2,
+        world_size=4,
+        zero_stage=1,
+        grad_clip=0.5,
+        warmup_steps=3,
+        log_every=7,
+    )
+    assert moved.config_fingerprint == spec.config_fingerprint
+    other = pipeline_spec(tmp_path, num_stages=2, world_size=4, zero_stage=1, grad_clip=0.25)
+    assert other.config_fingerprint != spec.config_fingerprint
+    with pytest.raises(ValueError, match="architecture.model='bst'"):
+        PipelineSpec(**{**spec.model_dump(), "architecture": {**spec.architecture, "model": "bst"}})
+
+
 def test_batches_from_a_sequences_file_are_split_over_replicas(tmp_path: Path) -> None:
     histories = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
     path = tmp_path / "train.parquet"
     pq.write_table(pa.table({"user": [0, 1, 2, 3], "history": histories}), path)
-    spec = PipelineSpec(
-        **{**SPEC, "num_items": 12, "max_length": 3, "micro_batch_size": 2},
-        num_stages=1,
-        out=tmp_path / "o.json",
-        sequences=path,
+    spec = pipeline_spec(
+        tmp_path, sizes={"num_items": 12, "max_length": 3}, batch_size=2, sequences_dir=tmp_path
     )
+    assert spec.sequences == path
     for replica in (0, 1):
         # One micro batch of 2 is one epoch of the replica's rows 0, 2 or 1, 3.
         (history, _, _), _ = next(micro_batches(spec, replica, 2))
@@ -349,7 +405,7 @@ def test_batches_from_a_sequences_file_are_split_over_replicas(tmp_path: Path) -
 
 
 def test_pipeline_weights_are_streamed_with_integer_buffers_kept(tmp_path: Path) -> None:
-    spec = PipelineSpec(**SPEC, num_stages=1, out=tmp_path / "o.json")
+    spec = pipeline_spec(tmp_path)
     model = build_model(spec)
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     state["item_embedding.weight"] = state["item_embedding.weight"].bfloat16()  # a bf16 run
@@ -387,22 +443,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(spec: dict, world_size: int, tmp_path: Path, name: str) -> dict:
+def launch(spec: PipelineSpec, tmp_path: Path, name: str) -> dict:
     """One real DeepSpeed launch of training.sequence.pipeline_worker on CPU ranks."""
     out = tmp_path / f"{name}.json"
     spec_path = tmp_path / f"{name}-spec.json"
-    spec_path.write_text(
-        json.dumps(
-            {
-                **spec,
-                "out": str(out),
-                "checkpoint_dir": str(tmp_path / f"{name}-checkpoints"),
-                "weights_file": str(tmp_path / f"{name}.safetensors"),
-                "train_log": str(tmp_path / f"{name}-log.jsonl"),
-                "log_every": 5,
-            }
-        )
-    )
+    outputs = {
+        "out": out,
+        "checkpoint_dir": tmp_path / f"{name}-checkpoints",
+        "weights_file": tmp_path / f"{name}.safetensors",
+        "train_log": tmp_path / f"{name}-log.jsonl",
+    }
+    spec_path.write_text(spec.model_copy(update=outputs).model_dump_json())
+    world_size = spec.train_config.world_size
     paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
     env = {
         **os.environ,
@@ -439,13 +491,15 @@ def consolidated(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_one_stage_and_two_stages_train_the_same_model(tmp_path: Path) -> None:
-    one = launch({**SPEC, "num_stages": 1}, 1, tmp_path, "one")
+    one = launch(pipeline_spec(tmp_path), tmp_path, "one")
     # "blocks" balances the Transformer blocks (DeepSpeed's "type:" partition).
-    two = launch({**SPEC, "num_stages": 2, "partition_method": "blocks"}, 2, tmp_path, "two")
+    blocks = {"partition_method": "blocks"}
+    two = launch(pipeline_spec(tmp_path, num_stages=2, sequence=blocks), tmp_path, "two")
     # "parameters" splits this model as "uniform" does, but takes DeepSpeed's other
     # code path (numpy-integer layer bounds handed to the seed function).
+    parameters = {"partition_method": "parameters"}
     balanced = launch(
-        {**SPEC, "num_stages": 2, "partition_method": "parameters"}, 2, tmp_path, "balanced"
+        pipeline_spec(tmp_path, num_stages=2, sequence=parameters), tmp_path, "balanced"
     )
     assert one["parts"] == [0, 6] and two["parts"] == balanced["parts"] == [0, 3, 6]
     assert len(one["losses"]) == 20
@@ -461,9 +515,9 @@ def test_one_stage_and_two_stages_train_the_same_model(tmp_path: Path) -> None:
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5  # it learns the synthetic walk
 
     weights = {name: consolidated(tmp_path, name) for name in ("one", "two", "balanced")}
-    model = SASRec(**{k: SPEC[k] for k in ARGS})
+    model = SASRec(**{**ARGS, **SIZES, "hidden_dim": 32})
     model.load_state_dict(weights["two"], strict=True)
-    dim = SPEC["hidden_dim"]
+    dim = TRAIN["sequence"]["hidden_dim"]
     for name, tensor in weights["one"].items():
         for other in ("two", "balanced"):
             moved = weights[other][name].clone()
@@ -482,12 +536,14 @@ def test_pipeline_with_zero1_data_parallel_replicas_trains_like_data_parallel_al
     # Hybrid: 2 stages x 2 data-parallel replicas (ZeRO-1) on 4 ranks, against the same 2
     # replicas without a pipeline on 2 ranks. Replica r reads stream r in both, so the
     # global batches and hence the losses agree.
-    spec = {**SPEC, "steps": 8, "zero_stage": 1}
-    flat = launch({**spec, "num_stages": 1}, 2, tmp_path, "flat")
-    hybrid = launch({**spec, "num_stages": 2, "partition_method": "blocks"}, 4, tmp_path, "hybrid")
+    flat = launch(pipeline_spec(tmp_path, 1, 2, steps=8, zero_stage=1), tmp_path, "flat")
+    blocks = {"partition_method": "blocks"}
+    hybrid = launch(
+        pipeline_spec(tmp_path, 2, 4, steps=8, zero_stage=1, sequence=blocks), tmp_path, "hybrid"
+    )
     assert flat["world_size"] == 2 and hybrid["world_size"] == 4
     assert hybrid["num_stages"] == 2 and hybrid["samples"] == flat["samples"] == 8 * 8 * 2 * 2
     for step, (a, b) in enumerate(zip(flat["losses"], hybrid["losses"], strict=True)):
         assert b == pytest.approx(a, rel=1e-4), f"step {step}: {a} vs {b}"
-    model = SASRec(**{k: SPEC[k] for k in ARGS})
+    model = SASRec(**{**ARGS, **SIZES, "hidden_dim": 32})
     model.load_state_dict(consolidated(tmp_path, "hybrid"), strict=True)

@@ -12,32 +12,31 @@ import torch
 from safetensors.torch import load_file
 
 from data_prep.errors import ConfigError, Preempted, TrainingCrashed
+from training.config import TrainConfig
 from training.runtime.files import RANKS_FILE
 from training.runtime.launcher import launch_ranks, launcher_command
+from training.sequence.train import build_pipeline_spec, sequence_model_config
 
 REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 # 2 stages on 2 ranks, dropout on (DeepSpeed reseeds it per micro batch), synthetic data.
-SPEC = {
-    "num_items": 200,
-    "max_length": 16,
-    "hidden_dim": 32,
-    "num_blocks": 2,
-    "num_heads": 2,
-    "dropout": 0.1,
-    "micro_batch_size": 8,
-    "gradient_accumulation_steps": 2,
-    "steps": 24,
+SIZES = {"num_items": 200, "max_length": 16}
+TRAIN = {
+    "model": "sasrec",
+    "sequence": {"hidden_dim": 32, "num_blocks": 2, "num_heads": 2, "dropout": 0.1},
+    "batch_size": 8,
+    "grad_accum_steps": 2,
     "lr": 0.01,
     "seed": 3,
-    "fp32": True,
-    "num_stages": 2,
+    "pipeline_stages": 2,
+    "world_size": 2,
     "zero_stage": 1,
     "log_every": 1,
-    "config_fingerprint": "test",
+    "tensorboard": False,
 }
+STEPS = 24
 
 
 def free_port() -> int:
@@ -46,31 +45,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def train(
-    tmp_path: Path, name: str, root: Path | None, on_progress=None, ranks: int = 2, **spec
-) -> dict:
+def train(tmp_path: Path, name: str, root: Path | None, on_progress=None, **train) -> dict:
     """One real launch of training.sequence.pipeline_worker on CPU ranks; its summary."""
     out = tmp_path / name
     out.mkdir()
-    resume = {"checkpoint_every": 4, "checkpoint_root": str(root)} if root else {}
-    spec_path = out / "spec.json"
-    spec_path.write_text(
-        json.dumps(
-            {
-                **SPEC,
-                **resume,
-                **spec,
-                "out": str(out / "train_summary.json"),
-                "checkpoint_dir": str(out / "checkpoints"),
-                "weights_file": str(out / "model.safetensors"),
-                "train_log": str(out / "log.jsonl"),
-            }
-        )
+    config = TrainConfig(**{**TRAIN, **train}, checkpoint_every=4 if root else 0)
+    spec = build_pipeline_spec(
+        config, sequence_model_config(config, SIZES), STEPS, out, checkpoint_root=root
     )
+    # One fingerprint for every run, so that another world size meets its own check.
+    spec = spec.model_copy(update={"config_fingerprint": "test"})
+    spec_path = out / "spec.json"
+    spec_path.write_text(spec.model_dump_json())
     paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": ":".join(paths)}
     module = "training.sequence.pipeline_worker"
-    command = launcher_command(sys.executable, ranks, free_port(), module, spec_path)
+    command = launcher_command(sys.executable, config.world_size, free_port(), module, spec_path)
     owner = root / RANKS_FILE if root else None
     return launch_ranks(command, env, out, None, on_progress, owner)
 
@@ -113,4 +103,4 @@ def test_a_killed_and_a_preempted_pipeline_run_resume_to_bitwise_the_same_weight
 
     # Pipeline checkpoints are per stage: another world size is refused, not converted.
     with pytest.raises(ConfigError, match="world size and stage count that wrote them"):
-        train(tmp_path, "other", root, ranks=1, num_stages=1, zero_stage=0)
+        train(tmp_path, "other", root, world_size=1, pipeline_stages=1, zero_stage=0)

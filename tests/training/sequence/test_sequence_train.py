@@ -2,10 +2,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from data_prep.errors import ConfigError, InputNotFoundError
-from training.config import TrainConfig
+from training.config import SEQUENCE_MODELS, TrainConfig
+from training.sequence.bst import BST
+from training.sequence.registry import SEQUENCE_MODEL_REGISTRY, sequence_model
+from training.sequence.sasrec import SASRec
 from training.sequence.train import (
     check_sequence_memory,
     plan_sequence_memory,
@@ -94,3 +98,35 @@ def test_missing_sequences_say_to_set_sequence_length(tmp_path: Path) -> None:
     (tmp_path / "train.parquet").write_bytes(b"")
     with pytest.raises(ConfigError, match="num_items"):
         read_sequences_meta(tmp_path)
+
+
+def test_sequence_options_a_model_does_not_take_are_refused() -> None:
+    TrainConfig(**SASREC, sequence={"loss": "sampled_softmax"})
+    with pytest.raises(ValidationError, match="train.sequence.loss='sampled_softmax'"):
+        TrainConfig(**{**SASREC, "model": "bst"}, sequence={"loss": "sampled_softmax"})
+    TrainConfig(**{**SASREC, "model": "bst"}, sequence={"mlp": [16]})
+    with pytest.raises(ValidationError, match=r"train.sequence.mlp=\[16\] is BST's head"):
+        TrainConfig(**SASREC, sequence={"mlp": [16]})
+    with pytest.raises(ValidationError, match="train.embedding_dim=8 does not apply"):
+        TrainConfig(**SASREC, embedding_dim=8)
+
+
+def test_the_registry_serves_every_sequence_model() -> None:
+    assert set(SEQUENCE_MODEL_REGISTRY) == set(SEQUENCE_MODELS)
+    meta = {"max_length": 6, "num_items": 30}
+    # name: (module class, pipeline layers with 2 blocks, rows of a micro batch of 2
+    # sequences with 2 negatives, shortest usable history)
+    expected = {"sasrec": (SASRec, 6, 2, 1), "bst": (BST, 7, 2 * 3, 2)}
+    for name, entry in SEQUENCE_MODEL_REGISTRY.items():
+        model_class, layers, rows, min_items = expected[name]
+        config = TrainConfig(**{**SASREC, "model": name}, sequence={"hidden_dim": 8})
+        model_config = sequence_model_config(config, meta)
+        assert entry.name == name and entry.min_items == min_items
+        assert isinstance(entry.build_model(model_config), model_class)
+        assert len(entry.build_pipeline_layers(model_config)) == layers
+        generator = torch.Generator().manual_seed(0)
+        inputs, labels = entry.micro_batch([[1, 2, 3], [4, 5, 6, 7]], 6, 30, 2, generator)
+        assert inputs[0].shape == (rows, 6) and labels.shape[0] == rows
+        assert config.sequence.loss in entry.losses
+    with pytest.raises(ConfigError, match="not a sequence model"):
+        sequence_model("dlrm")

@@ -1,0 +1,197 @@
+"""Every train config field either reaches a model family's ranks or is refused for it.
+
+For each family and each field of `TrainConfig` (but `model`, which picks the family
+and has its own test) a non-default value is set on a valid base config, and either:
+
+- parsing refuses it, naming the field (the fields the family has no use for);
+- or the launch plan the ranks read changes outside its verbatim copy of the train
+  config (the DeepSpeed config, the model config, the step plan, the paths);
+- or the family's rank module reads it from the train config it is given
+  (`config.<field>` in its source), the fields that steer the rank loop;
+- or, `memory_per_rank_gb` only, the parent applies it: a budget too small is refused.
+
+No rank is launched: the plans are what `train_model` / `train_sequence_model` would
+write before launching.
+"""
+
+import inspect
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pydantic import ValidationError
+
+import training.ctr.worker
+import training.sequence.pipeline_worker
+from data_prep.errors import ConfigError
+from tests.training.conftest import write_shards
+from training.config import TrainConfig
+from training.ctr.train import plan_ctr_run
+from training.runtime.stage import LaunchPlan
+from training.sequence.train import plan_sequence_run
+
+FAMILIES = ("dlrm", "sasrec", "bst")
+
+# A valid base per family: DLRM with the cross interaction (so embedding_dim and
+# bottom_mlp may change alone), the sequence models on 2 ranks, 1 stage.
+BASES: dict[str, dict[str, Any]] = {
+    "dlrm": {"interaction": "cross", "embedding_dim": 8, "bottom_mlp": [16, 8], "batch_size": 32},
+    "sasrec": {"model": "sasrec", "batch_size": 8},
+    "bst": {"model": "bst", "batch_size": 8},
+}
+
+# field -> (what the base needs for the change to be valid, the changed values).
+CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "sequence": ({}, {"sequence": {"hidden_dim": 32, "num_heads": 2}}),
+    "pipeline_stages": ({}, {"pipeline_stages": 2}),
+    "interaction": ({}, {"interaction": "dot"}),
+    "embedding_dim": ({}, {"embedding_dim": 4}),
+    "bottom_mlp": ({}, {"bottom_mlp": [12, 8]}),
+    "top_mlp": ({}, {"top_mlp": [8]}),
+    "num_cross_layers": ({}, {"num_cross_layers": 3}),
+    "dropout": ({}, {"dropout": 0.1}),
+    "batch_size": ({}, {"batch_size": 16}),
+    "grad_accum_steps": ({}, {"grad_accum_steps": 2}),
+    "epochs": ({}, {"epochs": 0.5}),
+    "max_steps": ({}, {"max_steps": 3}),
+    "lr": ({}, {"lr": 0.01}),
+    "weight_decay": ({}, {"weight_decay": 0.01}),
+    "warmup_steps": ({}, {"warmup_steps": 2}),
+    "grad_clip": ({}, {"grad_clip": 1.0}),
+    "zero_stage": ({}, {"zero_stage": 1}),
+    "precision": ({}, {"precision": "bf16"}),
+    # fp16 only (a GPU run; the plan is built for "cuda").
+    "loss_scale": ({"precision": "fp16"}, {"loss_scale": 128.0}),
+    "offload_optimizer": ({"zero_stage": 1}, {"offload_optimizer": True}),
+    "embeddings": ({}, {"embeddings": "dense"}),
+    "sparse_optimizer": ({}, {"sparse_optimizer": "lazy_adam"}),
+    "sparse_lr": ({}, {"sparse_lr": 0.1}),
+    "sparse_weight_decay": ({}, {"sparse_weight_decay": 0.01}),
+    "admission_min_count": ({}, {"admission_min_count": 3}),
+    "pooling": ({}, {"pooling": "sum"}),
+    "tasks": ({}, {"tasks": ["click", "purchase"]}),
+    "data_streams": ({}, {"data_streams": 4}),
+    "prefetch_batches": ({}, {"prefetch_batches": 2}),
+    "memory_per_rank_gb": ({}, {"memory_per_rank_gb": 1e-6}),
+    "tensorboard": ({}, {"tensorboard": False}),
+    "checkpoint_every": ({}, {"checkpoint_every": 5}),
+    "keep_checkpoints": ({}, {"keep_checkpoints": 3}),
+    "world_size": ({}, {"world_size": 4}),
+    "seed": ({}, {"seed": 1}),
+    "log_every": ({}, {"log_every": 5}),
+}
+
+# Where the sequence models' base (the defaults) needs another change than DLRM's.
+SEQUENCE_CHANGES = {"interaction": {"interaction": "cross"}}
+
+# What each family has no use for, stated here independently of training.config.
+CTR_ONLY = {
+    "interaction",
+    "embedding_dim",
+    "bottom_mlp",
+    "top_mlp",
+    "num_cross_layers",
+    "dropout",
+    "offload_optimizer",
+    "embeddings",
+    "sparse_optimizer",
+    "sparse_lr",
+    "sparse_weight_decay",
+    "admission_min_count",
+    "pooling",
+    "tasks",
+    "data_streams",
+    "prefetch_batches",
+    # Needs fp16, which the pipeline engine does not train in.
+    "loss_scale",
+}
+SEQUENCE_ONLY = {"sequence", "pipeline_stages"}
+REFUSED = {"dlrm": SEQUENCE_ONLY, "sasrec": CTR_ONLY, "bst": CTR_ONLY}
+
+# Fields a rank reads through a derived value of the config.
+READ_AS = {"data_streams": "num_data_streams()"}
+
+RANK_MODULES = {
+    "dlrm": training.ctr.worker,
+    "sasrec": training.sequence.pipeline_worker,
+    "bst": training.sequence.pipeline_worker,
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("data")
+    shards = write_shards(root / "shards", extra_labels=["purchase"])
+    sequences = root / "sequences"
+    sequences.mkdir()
+    (sequences / "sequences.json").write_text(json.dumps({"num_items": 50, "max_length": 8}))
+    histories = [[1 + (u + i) % 49 for i in range(2 + u % 7)] for u in range(64)]
+    pq.write_table(pa.table({"user": range(64), "history": histories}), sequences / "train.parquet")
+    return {"dlrm": shards, "sasrec": sequences, "bst": sequences}
+
+
+def plan_of(family: str, data: dict[str, Path], tmp_path: Path) -> Callable[..., LaunchPlan]:
+    """Builds the launch plan of a config of this family (as the train stage would)."""
+    planner = plan_ctr_run if family == "dlrm" else plan_sequence_run
+
+    def plan(config: TrainConfig) -> LaunchPlan:
+        return planner(config, data[family], tmp_path / "out", "cuda", {})
+
+    return plan
+
+
+def what_ranks_see(plan: LaunchPlan) -> dict[str, Any]:
+    """The launch plan less its copy of the train config and the fingerprint of it."""
+    spec = {k: v for k, v in plan.spec.items() if k not in ("train_config", "config_fingerprint")}
+    return {"spec": spec, "model_config": plan.model_config}
+
+
+def test_the_walk_covers_every_field() -> None:
+    assert set(CHANGES) == set(TrainConfig.model_fields) - {"model"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("field", sorted(CHANGES))
+def test_a_field_reaches_the_ranks_or_is_refused(
+    family: str, field: str, data: dict[str, Path], tmp_path: Path
+) -> None:
+    needs, changed = CHANGES[field]
+    if family != "dlrm":
+        changed = SEQUENCE_CHANGES.get(field, changed)
+    if field in REFUSED[family]:
+        with pytest.raises(ValidationError, match=f"train.{field}="):
+            TrainConfig(**{**BASES[family], **changed})
+        return
+    base_values = {**BASES[family], **needs}
+    base = TrainConfig(**base_values)
+    plan = plan_of(family, data, tmp_path)
+    config = TrainConfig(**{**base_values, **changed})
+    assert getattr(config, field) != getattr(base, field)
+    if field == "memory_per_rank_gb":
+        with pytest.raises(ConfigError, match="train.memory_per_rank_gb"):
+            plan(config)
+        plan(base)  # the default budget (none given) is not checked
+        return
+    seen, seen_before = what_ranks_see(plan(config)), what_ranks_see(plan(base))
+    assert plan(config).spec["train_config"][field] == config.model_dump(mode="json")[field]
+    if seen != seen_before:
+        return
+    source = inspect.getsource(RANK_MODULES[family])
+    read_as = f"config.{READ_AS.get(field, field)}"
+    assert read_as in source, (
+        f"train.{field} changes nothing the {family} ranks are given and they do not read it"
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_plans_its_own_models_only(
+    family: str, data: dict[str, Path], tmp_path: Path
+) -> None:
+    other = "sasrec" if family == "dlrm" else "dlrm"
+    planner = plan_ctr_run if family == "dlrm" else plan_sequence_run
+    with pytest.raises(ConfigError, match=f"train.model={other!r}"):
+        planner(TrainConfig(**BASES[other]), data[family], tmp_path / "out", "cpu", {})

@@ -1,0 +1,142 @@
+"""The train stage's steps that both model families take around their own planning.
+
+Writes into a train output directory: `memory_plan.json`, `train_config.json`,
+`model_config.json` and `launch.json` (the spec the ranks read), then launches the
+ranks (`training.runtime.launcher`) and turns rank 0's summary into a `TrainResult`.
+What to plan and what the spec holds stays with the family (`training.ctr.train`,
+`training.sequence.train`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from training.config import TrainConfig
+from training.runtime.files import (
+    LAUNCH_FILE,
+    LAUNCHER_LOG_FILE,
+    MEMORY_PLAN_FILE,
+    MODEL_CONFIG_FILE,
+    RANKS_FILE,
+    RESUME_DIR,
+    SUMMARY_FILE,
+    TRAIN_CONFIG_FILE,
+    TRAIN_LOG_FILE,
+    WEIGHTS_FILE,
+    write_json,
+)
+from training.runtime.launcher import TrainResult, launch_ranks, launcher_command
+from training.runtime.memory import MemoryPlan, plan_record
+
+# Train config fields that say how a run reports and saves, not what it trains: a
+# resume may change them, so they are left out of the resume fingerprints.
+NOT_FINGERPRINTED = (
+    "log_every",
+    "tensorboard",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "prefetch_batches",
+    "memory_per_rank_gb",
+)
+
+# Outputs of an earlier run in the same directory that this run writes anew.
+_STALE_FILES = (TRAIN_LOG_FILE, SUMMARY_FILE, WEIGHTS_FILE, LAUNCHER_LOG_FILE)
+
+
+def resume_root(checkpoint_root: Path | None, out_dir: Path) -> Path:
+    """Where a run's resume checkpoints go: `checkpoint_root`, default `out_dir/resume`."""
+    return Path(checkpoint_root or out_dir / RESUME_DIR).resolve()
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a family planned before its ranks start.
+
+    Attributes:
+        spec: The launch spec the ranks read (JSON-able; saved as `launch.json`).
+        model_config: The model's constructor arguments (`model_config.json`).
+        memory_plan: The planner's per-rank estimate (`memory_plan.json`).
+        checkpoint_root: The resume checkpoints' directory.
+    """
+
+    spec: Mapping[str, Any]
+    model_config: Mapping[str, Any]
+    memory_plan: MemoryPlan
+    checkpoint_root: Path
+
+
+def launch_train_ranks(
+    config: TrainConfig,
+    plan: LaunchPlan,
+    out_dir: Path,
+    module: str,
+    python: str,
+    master_port: int,
+    launch_env: Mapping[str, str],
+    on_log: Callable[[str], None] | None,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+) -> dict[str, Any]:
+    """Write the run's files, launch `config.world_size` ranks of `module`, collect them.
+
+    Args:
+        config: The resolved train config (saved as `train_config.json`).
+        plan: The launch spec, model config and memory plan to save, and the resume root.
+        out_dir: The train output directory (created; stale outputs removed).
+        module: The rank module, e.g. "training.ctr.worker".
+        python: The interpreter that runs the launcher.
+        master_port: A free TCP port for the ranks' rendezvous.
+        launch_env: The launcher's environment (`launcher_env`).
+        on_log: Called with every output line of the launcher and the ranks.
+        on_progress: Called with every parsed progress record.
+
+    Returns:
+        Rank 0's `train_summary.json`.
+
+    Raises:
+        TrainingCrashed: The launcher or a rank exited non-zero.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in _STALE_FILES:
+        (out_dir / stale).unlink(missing_ok=True)
+    write_json(out_dir / MEMORY_PLAN_FILE, plan_record(plan.memory_plan))
+    write_json(out_dir / TRAIN_CONFIG_FILE, config.model_dump(mode="json"))
+    write_json(out_dir / MODEL_CONFIG_FILE, plan.model_config)
+    spec_path = out_dir / LAUNCH_FILE
+    write_json(spec_path, plan.spec)
+    command = launcher_command(python, config.world_size, master_port, module, spec_path)
+    # Resumable runs share their checkpoints across attempts: record who writes them.
+    owner = plan.checkpoint_root / RANKS_FILE if config.checkpoint_every else None
+    return launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner)
+
+
+def train_result(
+    out_dir: Path,
+    summary: Mapping[str, Any],
+    started: float,
+    memory_plan: MemoryPlan,
+    step_ms: dict[str, float],
+) -> TrainResult:
+    """The stage's result from rank 0's summary.
+
+    Args:
+        out_dir: The train output directory.
+        summary: Rank 0's `train_summary.json` ("final_loss", "steps", "samples_per_s",
+            "resumed_from_step").
+        started: `time.monotonic()` when the stage started.
+        memory_plan: The planner's estimate.
+        step_ms: Milliseconds per step by phase.
+    """
+    return TrainResult(
+        out_dir=out_dir,
+        final_loss=float(summary["final_loss"]),
+        steps=int(summary["steps"]),
+        samples_per_s=float(summary["samples_per_s"]),
+        seconds=time.monotonic() - started,
+        step_ms=step_ms,
+        memory_plan=memory_plan,
+        resumed_from_step=summary.get("resumed_from_step"),
+    )
