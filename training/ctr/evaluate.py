@@ -89,14 +89,8 @@ from training.ctr.data import (
 )
 from training.ctr.metrics import AUCAccumulator, CTRStats, GroupedAUC, ReliabilityBins, SliceMetrics
 from training.ctr.model import CTRModel, load_model
-from training.runtime.files import RANKS_DIR
-from training.runtime.launcher import (
-    EVALUATE_RANK_ERRORS,
-    evaluate_chaos_settings,
-    free_port,
-    launch_evaluate_ranks,
-    launcher_env,
-)
+from training.runtime.evaluate_ranks import RankLaunch, launch_and_collect
+from training.runtime.launcher import EVALUATE_RANK_ERRORS
 
 METRICS_FILE = "metrics.json"
 
@@ -210,6 +204,57 @@ def evaluate_model(
     A rank's InputNotFoundError, SchemaError, ConfigError or ValueError comes back as the
     same type, its message prefixed with the rank.
     """
+    plan, model, meta, transform = _plan_scoring(config, train_dir, shards_dir, transform_path)
+    out_dir = Path(out_dir)
+    num_files = len(meta.split(config.split).files)
+    if config.workers == 1 or num_files <= 1:
+        merged = _score_files(plan, model, meta, 0, 1)
+    else:
+        del model  # every rank loads its own copy
+        launch = RankLaunch(env, master_port, python, on_log)
+        merged = _score_in_ranks(plan, min(config.workers, num_files), out_dir, launch)
+    metrics = {
+        **_split_metrics(plan, merged),
+        **_slice_metrics(merged.slices, transform),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = out_dir / METRICS_FILE
+    metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    calibration_path = _write_calibration(out_dir, config.split, merged.reliability)
+    scores_head_path = _write_scores_head(out_dir, plan, merged)
+    return EvaluateResult(
+        metrics_path=metrics_path,
+        split=config.split,
+        num_rows=metrics["num_rows"],
+        auc=metrics["auc"],
+        logloss=metrics["logloss"],
+        click_rate=metrics["click_rate"],
+        mean_prediction=metrics["mean_prediction"],
+        bayes_auc=metrics.get("bayes_auc"),
+        auc_mode=metrics["auc_mode"],
+        auc_error_bound=metrics["auc_error_bound"],
+        calibration=metrics["calibration"],
+        gauc=metrics.get("gauc"),
+        # Absent without a user column; 0 when no user has both classes.
+        gauc_users=metrics.get("gauc_users"),
+        calibration_path=calibration_path,
+        scores_head_path=scores_head_path,
+    )
+
+
+def _plan_scoring(
+    config: EvaluateConfig, train_dir: Path, shards_dir: Path, transform_path: Path | None
+) -> tuple[_ScoringPlan, CTRModel, DatasetMeta, dict | None]:
+    """Load the model, the dataset and the transform; check the slices and the user key.
+
+    Returns:
+        (the scoring plan, the model, the dataset meta, the transform or None).
+
+    Raises:
+        InputNotFoundError: A model file or dataset.json is missing.
+        ConfigError: `evaluate.slice_by` or `evaluate.user_key` names a column the
+            shards do not have as a usable feature.
+    """
     model, model_config = load_model(train_dir)
     tasks = list(model_config["tasks"])
     meta = load_dataset_meta(shards_dir)
@@ -230,37 +275,28 @@ def evaluate_model(
         skip_oov_user=user_key in meta.sparse_names and _has_vocabulary(transform, user_key),
         head_rows=min(config.score_sample_rows, meta.split(config.split).rows),
     )
-    num_files = len(meta.split(config.split).files)
-    out_dir = Path(out_dir)
-    if config.workers == 1 or num_files <= 1:
-        merged = _score_files(plan, model, meta, 0, 1)
-    else:
-        del model  # every rank loads its own copy
-        launch_env = launcher_env(env, "cpu") if env is not None else None
-        merged = _score_in_ranks(
-            plan,
-            min(config.workers, num_files),
-            out_dir / RANKS_DIR,
-            launch_env,
-            master_port if master_port is not None else free_port(),
-            python,
-            on_log,
-            chaos=evaluate_chaos_settings(env or {}),
-        )
-    aucs, stats, reliability = merged.aucs, merged.stats, merged.reliability
-    oracle_auc, gauc, slices = merged.oracle_auc, merged.gauc, merged.slices
+    return plan, model, meta, transform
+
+
+def _split_metrics(plan: _ScoringPlan, merged: _Accumulators) -> dict[str, Any]:
+    """The split's metrics of the primary task, oracle AUC, GAUC and per-task figures.
+
+    Raises:
+        SchemaError: The split has no rows, or a task label holds one class only.
+    """
+    config, aucs, stats = plan.config, merged.aucs, merged.stats
     if stats[0].rows == 0:
-        raise SchemaError(f"split {config.split!r} of {shards_dir} has no rows to evaluate")
+        raise SchemaError(f"split {config.split!r} of {plan.shards_dir} has no rows to evaluate")
     try:
         task_aucs = [auc.value() for auc in aucs]
-        bayes_auc = oracle_auc.value() if oracle_auc is not None else None
+        bayes_auc = merged.oracle_auc.value() if merged.oracle_auc is not None else None
     except ValueError as error:
         raise SchemaError(
-            f"split {config.split!r} of {shards_dir}: {error}; every task label needs "
+            f"split {config.split!r} of {plan.shards_dir}: {error}; every task label needs "
             "positives and negatives"
         ) from error
     primary = stats[0]
-    metrics: dict[str, object] = {
+    metrics: dict[str, Any] = {
         "split": config.split,
         "num_rows": primary.rows,
         "auc": task_aucs[0],
@@ -273,19 +309,24 @@ def evaluate_model(
     }
     if bayes_auc is not None:
         metrics["bayes_auc"] = bayes_auc
-    gauc_value = None
-    if gauc is not None:
+    if merged.gauc is not None:
         try:
-            gauc_value = gauc.value()
+            gauc_value = merged.gauc.value()
         except ValueError:
             gauc_value = None  # no user has both classes: nothing to average
         metrics["gauc"] = gauc_value.gauc if gauc_value else None
         metrics["gauc_users"] = gauc_value.groups if gauc_value else 0
-    if len(tasks) > 1:
-        for t, task in enumerate(tasks):
+    if len(plan.tasks) > 1:
+        for t, task in enumerate(plan.tasks):
             metrics[f"auc/{task}"] = task_aucs[t]
             metrics[f"logloss/{task}"] = stats[t].logloss()
             metrics[f"auc_error_bound/{task}"] = aucs[t].error_bound()
+    return metrics
+
+
+def _slice_metrics(slices: Mapping[str, SliceMetrics], transform: dict | None) -> dict[str, Any]:
+    """`slice/f=v/...` keys per value v of each slice feature f (see the module docstring)."""
+    metrics: dict[str, Any] = {}
     for feature, per_value in slices.items():
         names = _value_names(transform, feature)
         for value, result in per_value.values().items():
@@ -297,37 +338,23 @@ def evaluate_model(
             if result.auc is not None:
                 metrics[f"{prefix}/auc"] = result.auc
                 metrics[f"{prefix}/auc_error_bound"] = result.auc_error_bound
+    return metrics
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = out_dir / METRICS_FILE
-    metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
-    calibration_path = out_dir / CALIBRATION_FILE
-    calibration = {
-        "split": config.split,
-        "num_bins": reliability.num_bins,
-        "bins": reliability.bins(),
-    }
-    calibration_path.write_text(json.dumps(calibration, indent=2) + "\n")
-    head = merged.head_scores(plan.head_rows, len(tasks))  # (N, T)
-    scores_head_path = out_dir / SCORES_HEAD_FILE
-    np.save(scores_head_path, head[:, 0] if len(tasks) == 1 else head)
-    return EvaluateResult(
-        metrics_path=metrics_path,
-        split=config.split,
-        num_rows=primary.rows,
-        auc=task_aucs[0],
-        logloss=primary.logloss(),
-        click_rate=primary.click_rate(),
-        mean_prediction=primary.mean_prediction(),
-        bayes_auc=bayes_auc,
-        auc_mode=aucs[0].mode,
-        auc_error_bound=aucs[0].error_bound(),
-        calibration=primary.calibration(),
-        gauc=gauc_value.gauc if gauc_value else None,
-        gauc_users=(gauc_value.groups if gauc_value else 0) if gauc is not None else None,
-        calibration_path=calibration_path,
-        scores_head_path=scores_head_path,
-    )
+
+def _write_calibration(out_dir: Path, split: str, reliability: ReliabilityBins) -> Path:
+    """Write calibration.json (the primary task's reliability bins); its path."""
+    path = out_dir / CALIBRATION_FILE
+    calibration = {"split": split, "num_bins": reliability.num_bins, "bins": reliability.bins()}
+    path.write_text(json.dumps(calibration, indent=2) + "\n")
+    return path
+
+
+def _write_scores_head(out_dir: Path, plan: _ScoringPlan, merged: _Accumulators) -> Path:
+    """Write scores_head.npy: (N,) for one task, (N, T) for several; its path."""
+    head = merged.head_scores(plan.head_rows, len(plan.tasks))  # (N, T)
+    path = out_dir / SCORES_HEAD_FILE
+    np.save(path, head[:, 0] if len(plan.tasks) == 1 else head)
+    return path
 
 
 @dataclass(frozen=True)
@@ -422,14 +449,7 @@ class _Accumulators:
 
 
 def _score_in_ranks(
-    plan: _ScoringPlan,
-    world_size: int,
-    ranks_dir: Path,
-    env: dict[str, str] | None,
-    master_port: int,
-    python: str,
-    on_log: Callable[[str], None] | None,
-    chaos: dict[str, Any],
+    plan: _ScoringPlan, world_size: int, out_dir: Path, launch: RankLaunch
 ) -> _Accumulators:
     """Score the split in `world_size` launcher ranks; their accumulators, merged.
 
@@ -438,25 +458,24 @@ def _score_in_ranks(
             refused its input (the message names the rank and the launcher log).
         TransientError: A rank died, or the launcher failed or left no result.
     """
-    result_file = launch_evaluate_ranks(
+    return launch_and_collect(
         {"plan": plan.to_json()},
         world_size,
-        ranks_dir / _RESULT_FILE,
+        out_dir,
+        _RESULT_FILE,
         _WORKER_MODULE,
         EVALUATE_RANK_ERRORS,
         f"scoring split {plan.config.split!r} of {plan.shards_dir}",
         "evaluate.batch_size",
-        env,
-        master_port,
-        python,
-        on_log,
-        chaos,
+        launch,
+        _unpickle,
     )
+
+
+def _unpickle(path: Path) -> _Accumulators:
     # Our own ranks' file, just written by rename: pickle is safe to load here.
-    with result_file.open("rb") as file:
-        merged = pickle.load(file)
-    result_file.unlink()  # the scores of every row: not an output to publish
-    return merged
+    with path.open("rb") as file:
+        return pickle.load(file)
 
 
 def _score_files(

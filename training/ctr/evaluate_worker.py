@@ -1,43 +1,30 @@
-"""One evaluate rank: `python -m training.ctr.evaluate_worker SPEC.json` under the launcher.
+"""One CTR evaluate rank: `python -m training.ctr.evaluate_worker SPEC.json` under the launcher.
 
 Reads the launch spec written by `training.ctr.evaluate` (the `_ScoringPlan` as JSON, the
 number of ranks, where the merged result goes), the model in the plan's `train_dir` and
 this rank's files of the split: every `world_size`-th file from file `rank`, as one
-process would score them (`training.ctr.evaluate._score_files`).
+process would score them (`training.ctr.evaluate._score_files`). Rank 0 merges every
+rank's accumulators in rank order and writes the merged `_Accumulators` as a pickle to
+the spec's `result_file`; `evaluate_model` writes metrics.json from that pickle alone.
 
-The ranks join one gloo process group (`deepspeed.init_distributed`, from the
-launcher's RANK, WORLD_SIZE, MASTER_ADDR, ...), and rank 0 gathers every rank's
-accumulators (`gather_object`), merges them in rank order and writes the merged
-`_Accumulators` as a pickle to the spec's `result_file` (by rename, so the file is
-either whole or absent). Nothing is written before the merge: a rank that fails leaves
-no result, and the parent (`evaluate_model`) writes metrics.json from that pickle alone.
-
-The only environment this process reads is what the launcher sets for
-`deepspeed.init_distributed`; fault injection for the chaos tests arrives in the
-spec's `chaos` (`{"kill_rank": r}`: rank r SIGKILLs itself before scoring, as the
-out-of-memory killer would). Any exception prints one
-`RECFORGE_ERROR {"rank": r, "error": "..."}` line (`training.runtime.rank.rank_main`) and exits
-non-zero; the launcher then stops the other ranks.
+The rank skeleton (process group, rank count check, chaos kill, gather, write by
+rename) is `training.runtime.evaluate_ranks.run_evaluate_rank`. Any exception prints one
+`RECFORGE_ERROR {"rank": r, "error": "..."}` line (`training.runtime.rank.rank_main`)
+and exits non-zero; the launcher then stops the other ranks.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import signal
 import sys
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import IO, Any
 
-import deepspeed
-import torch
-import torch.distributed as torch_dist
-
-from data_prep.errors import ConfigError
 from training.ctr.data import load_dataset_meta
 from training.ctr.evaluate import _Accumulators, _score_files, _ScoringPlan
 from training.ctr.model import load_model
+from training.runtime.evaluate_ranks import run_evaluate_rank
 from training.runtime.rank import rank_main
 
 
@@ -54,37 +41,23 @@ def run(spec: dict[str, Any]) -> None:
         ValueError: The model predicts NaN.
     """
     plan = _ScoringPlan.from_json(spec["plan"])
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world_size = torch_dist.get_rank(), torch_dist.get_world_size()
-    if world_size != spec["world_size"]:
-        raise ConfigError(
-            f"evaluate planned {spec['world_size']} ranks but the launcher started "
-            f"{world_size}; the launcher's --num_gpus must equal min(evaluate.workers, files)"
-        )
-    # The ranks share this machine's cores (as one process would use them all).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if spec.get("chaos", {}).get("kill_rank") == rank:
-        os.kill(os.getpid(), signal.SIGKILL)
-    model, _ = load_model(plan.train_dir)
-    meta = load_dataset_meta(plan.shards_dir)
-    part = _score_files(plan, model, meta, rank, world_size)
-    parts: list[_Accumulators | None] | None = [None] * world_size if rank == 0 else None
-    torch_dist.gather_object(part, parts, dst=0)
-    if rank == 0:
-        assert parts is not None  # rank 0 passed the list above
-        merged = parts[0]
-        for other in parts[1:]:
-            merged.merge(other)
-        _write_result(Path(spec["result_file"]), merged)
-    torch_dist.destroy_process_group()
+
+    def score(rank: int, world_size: int) -> _Accumulators:
+        model, _ = load_model(plan.train_dir)
+        return _score_files(plan, model, load_dataset_meta(plan.shards_dir), rank, world_size)
+
+    run_evaluate_rank(spec, "min(evaluate.workers, files)", score, _merge, _pickle)
 
 
-def _write_result(path: Path, merged: _Accumulators) -> None:
-    """Pickle the merged accumulators to `path`, by rename: whole or not at all."""
-    partial = path.with_name(path.name + ".partial")
-    with partial.open("wb") as file:
-        pickle.dump(merged, file, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(partial, path)
+def _merge(parts: Sequence[_Accumulators]) -> _Accumulators:
+    merged = parts[0]
+    for other in parts[1:]:
+        merged.merge(other)
+    return merged
+
+
+def _pickle(file: IO[bytes], merged: _Accumulators) -> None:
+    pickle.dump(merged, file, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def main(argv: list[str] | None = None) -> int:

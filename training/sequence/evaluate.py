@@ -46,38 +46,28 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
-import torch
+from torch import nn
 
 from data_prep.errors import InputNotFoundError, SchemaError, TransientError
 from training.config import EvaluateConfig
-from training.runtime.files import MODEL_CONFIG_FILE, RANKS_DIR
-from training.runtime.launcher import (
-    EVALUATE_RANK_ERRORS,
-    evaluate_chaos_settings,
-    free_port,
-    launch_evaluate_ranks,
-    launcher_env,
-)
-from training.sequence.bst import BST, score_candidates
+from training.runtime.evaluate_ranks import RankLaunch, launch_and_collect
+from training.runtime.files import RANKS_DIR
+from training.runtime.launcher import EVALUATE_RANK_ERRORS
 from training.sequence.export import load_sequence_model, pad_histories
 from training.sequence.ranking import (
-    ScoreFn,
     TooFewNegativesError,
     metrics_from_ranks,
     popularity_scores,
     rank_targets,
 )
-from training.sequence.sasrec import SASRec
+from training.sequence.registry import SEQUENCE_MODEL_REGISTRY, SequenceModel
 
 METRICS_FILE = "metrics.json"
 ITEM_COUNTS_FILE = "train_item_counts.npy"
 BASELINE_PREFIX = "popularity/"
-# Histories encoded per forward pass when computing the users' states.
-_ENCODE_BATCH = 256
 # Rank 0's merged per-row ranks (an .npz: arrays only, loaded without pickle).
 _RESULT_FILE = "ranks.npz"
 _WORKER_MODULE = "training.sequence.evaluate_worker"
@@ -101,69 +91,6 @@ class SequenceEvaluateResult:
     metrics_path: Path
     metrics: dict[str, float | int | str]
     num_users: int
-
-
-def user_states(model: SASRec, histories: torch.Tensor, batch: int = _ENCODE_BATCH) -> np.ndarray:
-    """The hidden state at the last position of each history, in fp32.
-
-    Args:
-        model: The trained model (eval mode).
-        histories: (U, L) int64, left-padded with 0.
-        batch: Histories per forward pass.
-
-    Returns:
-        (U, D) float32.
-    """
-    states = []
-    with torch.no_grad():
-        for start in range(0, len(histories), batch):
-            states.append(model(histories[start : start + batch])[:, -1].float())  # (b, D)
-    return torch.cat(states).numpy()
-
-
-def model_scores(states: np.ndarray, table: np.ndarray, first_row: int = 0) -> ScoreFn:
-    """score_fn of the model for `training.sequence.ranking`: users are row numbers; row
-    `first_row + i` is `states[i]`.
-
-    Args:
-        states: (U, D) float32 user states.
-        table: (V, D) float32 item table.
-        first_row: The row number of states[0] (a rank's first row).
-
-    Returns:
-        score_fn(rows (b,), candidates (b, C)) -> (b, C) float32 dot products.
-    """
-
-    def score_fn(rows: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-        users = states[rows - first_row]  # (b, D)
-        if candidates.strides[0] == 0:
-            # Full ranking hands one row broadcast to every user: one matmul, no gather.
-            return users @ table[candidates[0]].T  # (b, C)
-        return np.einsum("bd,bcd->bc", users, table[candidates])  # (b, C)
-
-    return score_fn
-
-
-def bst_scores(model: BST, histories: torch.Tensor, first_row: int = 0) -> ScoreFn:
-    """score_fn of a BST: users are row numbers; row `first_row + i` is `histories[i]`.
-
-    Args:
-        model: The trained BST (eval mode).
-        histories: (U, L) int64, left-padded with 0.
-        first_row: The row number of histories[0] (a rank's first row).
-
-    Returns:
-        score_fn(rows (b,), candidates (b, C)) -> (b, C) float32 logits.
-    """
-
-    def score_fn(rows: np.ndarray, candidates: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            logits = score_candidates(
-                model, histories[torch.from_numpy(rows - first_row)], torch.from_numpy(candidates)
-            )  # (b, C)
-        return logits.float().numpy()
-
-    return score_fn
 
 
 def evaluate_sequence_model(
@@ -220,45 +147,42 @@ def evaluate_sequence_model(
         ranks = _rank_rows(inputs, config, 0, num_rows)
     else:
         del inputs  # every rank loads its own copy
-        launch_env = launcher_env(env, "cpu") if env is not None else None
+        launch = RankLaunch(env, master_port, python, on_log)
         ranks = _rank_in_ranks(
-            config,
-            Path(train_dir),
-            Path(sequences_dir),
-            num_rows,
-            world_size,
-            out_dir / RANKS_DIR,
-            launch_env,
-            master_port if master_port is not None else free_port(),
-            python,
-            on_log,
-            chaos=evaluate_chaos_settings(env or {}),
+            config, Path(train_dir), Path(sequences_dir), num_rows, world_size, out_dir, launch
         )
-    # The same metrics code on the same (U,) ranks in row order, whoever ranked them.
-    ours = metrics_from_ranks(ranks["sampled"], config.ks, "sampled")
-    baseline = metrics_from_ranks(ranks[BASELINE_PREFIX + "sampled"], config.ks, "sampled")
-    if "full" in ranks:
-        ours |= metrics_from_ranks(ranks["full"], config.ks, "full")
-        baseline |= metrics_from_ranks(ranks[BASELINE_PREFIX + "full"], config.ks, "full")
-    metrics: dict[str, float | int | str] = {
-        "split": config.split,
-        "num_users": num_rows,
-        "dropped_oov_targets": dropped,
-        **ours,
-        **{BASELINE_PREFIX + key: value for key, value in baseline.items()},
-    }
+    metrics = _metrics(config, ranks, num_rows, dropped)
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / METRICS_FILE
     metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
     return SequenceEvaluateResult(metrics_path=metrics_path, metrics=metrics, num_users=num_rows)
 
 
+def _metrics(
+    config: EvaluateConfig, ranks: dict[str, np.ndarray], num_rows: int, dropped: int
+) -> dict[str, float | int | str]:
+    """metrics.json's content from the per-row target ranks (model and baseline)."""
+    # The same metrics code on the same (U,) ranks in row order, whoever ranked them.
+    ours = metrics_from_ranks(ranks["sampled"], config.ks, "sampled")
+    baseline = metrics_from_ranks(ranks[BASELINE_PREFIX + "sampled"], config.ks, "sampled")
+    if "full" in ranks:
+        ours |= metrics_from_ranks(ranks["full"], config.ks, "full")
+        baseline |= metrics_from_ranks(ranks[BASELINE_PREFIX + "full"], config.ks, "full")
+    return {
+        "split": config.split,
+        "num_users": num_rows,
+        "dropped_oov_targets": dropped,
+        **ours,
+        **{BASELINE_PREFIX + key: value for key, value in baseline.items()},
+    }
+
+
 @dataclass(frozen=True)
 class _SplitInputs:
     """What ranking the split's rows needs, loaded and checked (`_load_inputs`)."""
 
-    kind: str  # "sasrec" or "bst"
-    model: SASRec | BST
+    entry: SequenceModel  # the model's registry entry (how it ranks)
+    model: nn.Module
     max_length: int  # L, histories are left-padded to it
     num_items: int  # V, padding index 0 included
     targets: np.ndarray  # (U,) int64 in-vocabulary targets, in file order
@@ -276,11 +200,7 @@ def _load_inputs(config: EvaluateConfig, train_dir: Path, sequences_dir: Path) -
             missing.
         SchemaError: No row has an in-vocabulary target, or the counts do not fit the model.
     """
-    config_path = train_dir / MODEL_CONFIG_FILE
-    if not config_path.is_file():
-        raise InputNotFoundError(f"{config_path} does not exist; run the train stage first")
-    kind = "bst" if json.loads(config_path.read_text()).get("model") == "bst" else "sasrec"
-    model, model_config = load_sequence_model(train_dir, kind=kind)
+    model, model_config = load_sequence_model(train_dir, kind=None)
     split_path = sequences_dir / f"{config.split}.parquet"
     counts_path = sequences_dir / ITEM_COUNTS_FILE
     for path in (split_path, counts_path):
@@ -305,7 +225,7 @@ def _load_inputs(config: EvaluateConfig, train_dir: Path, sequences_dir: Path) -
             "the train and preprocess outputs are from different runs"
         )
     return _SplitInputs(
-        kind=kind,
+        entry=SEQUENCE_MODEL_REGISTRY[model_config["model"]],
         model=model,
         max_length=int(model_config["max_length"]),
         num_items=num_items,
@@ -338,7 +258,8 @@ def _rank_rows(
 
     Returns:
         (stop - start,) int64 ranks under "sampled", and "full" when the full protocol
-        runs (not for BST), and the same keys prefixed `popularity/`.
+        runs (`evaluate.full_ranking` and a model with `full_ranking` in the registry),
+        and the same keys prefixed `popularity/`.
 
     Raises:
         TooFewNegativesError: A user has interacted with almost every item.
@@ -346,19 +267,7 @@ def _rank_rows(
     """
     block = config.ranking_block_users
     histories = pad_histories(inputs.histories[start:stop], inputs.max_length)  # (n, L)
-    if inputs.kind == "bst":
-        score_fn = bst_scores(inputs.model, histories, first_row=start)
-    else:
-        # Encoded block by block, so a row's state never depends on where a rank starts.
-        states = np.concatenate(
-            [
-                user_states(inputs.model, histories[i : i + block])
-                for i in range(0, len(histories), block)
-            ]
-        )  # (n, D)
-        with torch.no_grad():
-            table = inputs.model.item_table().float().numpy()  # (V, D), side features included
-        score_fn = model_scores(states, table, first_row=start)
+    score_fn = inputs.entry.ranking_score_fn(inputs.model, histories, start, block)
     protocol = {
         "users": np.arange(start, stop, dtype=np.int64),  # row numbers key the negatives
         "targets": inputs.targets[start:stop],
@@ -366,7 +275,7 @@ def _rank_rows(
         "num_items": inputs.num_items,
         "num_negatives": config.num_negatives,
         "seed": config.negatives_seed,
-        "full": config.full_ranking and inputs.kind != "bst",
+        "full": config.full_ranking and inputs.entry.full_ranking,
         "block_users": block,
     }
     ranks: dict[str, np.ndarray] = {}
@@ -384,12 +293,8 @@ def _rank_in_ranks(
     sequences_dir: Path,
     num_rows: int,
     world_size: int,
-    ranks_dir: Path,
-    env: dict[str, str] | None,
-    master_port: int,
-    python: str,
-    on_log: Callable[[str], None] | None,
-    chaos: dict[str, Any],
+    out_dir: Path,
+    launch: RankLaunch,
 ) -> dict[str, np.ndarray]:
     """Rank the split in `world_size` launcher ranks; their per-row ranks, in row order.
 
@@ -399,33 +304,34 @@ def _rank_in_ranks(
             and the launcher log).
         TransientError: A rank died, or the launcher failed or left no result.
     """
-    result_file = launch_evaluate_ranks(
-        {
-            "config": config.model_dump(mode="json"),
-            "train_dir": str(train_dir.resolve()),
-            "sequences_dir": str(sequences_dir.resolve()),
-            "num_rows": num_rows,
-        },
+    spec = {
+        "config": config.model_dump(mode="json"),
+        "train_dir": str(train_dir.resolve()),
+        "sequences_dir": str(sequences_dir.resolve()),
+        "num_rows": num_rows,
+    }
+    ranks = launch_and_collect(
+        spec,
         world_size,
-        ranks_dir / _RESULT_FILE,
+        out_dir,
+        _RESULT_FILE,
         _WORKER_MODULE,
         _RANK_ERRORS,
         f"ranking split {config.split!r} of {sequences_dir}",
         "evaluate.ranking_block_users",
-        env,
-        master_port,
-        python,
-        on_log,
-        chaos,
+        launch,
+        _read_ranks,
     )
-    with np.load(result_file, allow_pickle=False) as saved:
-        ranks = {key: saved[key] for key in saved.files}
-    result_file.unlink()  # the ranks of every row: not an output to publish
     short = {key: len(value) for key, value in ranks.items() if len(value) != num_rows}
     if short or "sampled" not in ranks:
         raise TransientError(
-            f"rank 0's {result_file} holds {short or sorted(ranks)} ranks, not {num_rows} "
-            f"per protocol for split {config.split!r} of {sequences_dir}; the ranks did not "
-            "cover the split, rerun"
+            f"rank 0's {out_dir / RANKS_DIR / _RESULT_FILE} holds {short or sorted(ranks)} "
+            f"ranks, not {num_rows} per protocol for split {config.split!r} of "
+            f"{sequences_dir}; the ranks did not cover the split, rerun"
         )
     return ranks
+
+
+def _read_ranks(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as saved:
+        return {key: saved[key] for key in saved.files}

@@ -4,39 +4,29 @@ Reads the launch spec written by `training.sequence.evaluate` (the evaluate conf
 train and sequences directories, the rows the parent counted, the number of ranks,
 where the merged result goes), the model and the split's sequences, and ranks this
 rank's rows: a contiguous run of whole ranking blocks (`_rank_blocks`), each block
-computed as one process computes it (`_rank_rows`).
+computed as one process computes it (`_rank_rows`). Rank 0 concatenates every rank's
+per-row target ranks in rank order (row order) and writes them as an .npz to the
+spec's `result_file`; `evaluate_sequence_model` computes metrics.json from it alone.
 
-The ranks join one gloo process group (`deepspeed.init_distributed`, from the
-launcher's RANK, WORLD_SIZE, MASTER_ADDR, ...), and rank 0 gathers every rank's per-row
-target ranks (`gather_object`), concatenates them in rank order (row order) and writes
-them as an .npz to the spec's `result_file` (by rename, so the file is either whole or
-absent). Nothing is written before the merge: a rank that fails leaves no result, and
-the parent (`evaluate_sequence_model`) computes metrics.json from that file alone.
-
-The only environment this process reads is what the launcher sets for
-`deepspeed.init_distributed`; fault injection for the chaos tests arrives in the
-spec's `chaos` (`{"kill_rank": r}`: rank r SIGKILLs itself before ranking, as the
-out-of-memory killer would). Any exception prints one
-`RECFORGE_ERROR {"rank": r, "error": "..."}` line (`training.runtime.rank.rank_main`) and exits
-non-zero; the launcher then stops the other ranks.
+The rank skeleton (process group, rank count check, chaos kill, gather, write by
+rename) is `training.runtime.evaluate_ranks.run_evaluate_rank`. Any exception prints one
+`RECFORGE_ERROR {"rank": r, "error": "..."}` line (`training.runtime.rank.rank_main`)
+and exits non-zero; the launcher then stops the other ranks.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-import deepspeed
 import numpy as np
-import torch
-import torch.distributed as torch_dist
 
-from data_prep.errors import ConfigError, SchemaError
+from data_prep.errors import SchemaError
 from training.config import EvaluateConfig
+from training.runtime.evaluate_ranks import run_evaluate_rank
 from training.runtime.rank import rank_main
 from training.sequence.evaluate import _load_inputs, _rank_blocks, _rank_rows
 
@@ -56,42 +46,28 @@ def run(spec: dict[str, Any]) -> None:
         ValueError: The model scores NaN.
     """
     config = EvaluateConfig.model_validate(spec["config"])
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world_size = torch_dist.get_rank(), torch_dist.get_world_size()
-    if world_size != spec["world_size"]:
-        raise ConfigError(
-            f"sequence evaluate planned {spec['world_size']} ranks but the launcher started "
-            f"{world_size}; the launcher's --num_gpus must equal min(evaluate.workers, blocks)"
-        )
-    # The ranks share this machine's cores (as one process would use them all).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if spec.get("chaos", {}).get("kill_rank") == rank:
-        os.kill(os.getpid(), signal.SIGKILL)
-    sequences_dir = Path(spec["sequences_dir"])
-    inputs = _load_inputs(config, Path(spec["train_dir"]), sequences_dir)
-    if len(inputs.targets) != spec["num_rows"]:
-        raise SchemaError(
-            f"{sequences_dir / (config.split + '.parquet')} has {len(inputs.targets)} rows "
-            f"with in-vocabulary targets, the parent counted {spec['num_rows']}: it changed "
-            "during the evaluation; rerun evaluate"
-        )
-    rows = _rank_blocks(len(inputs.targets), config.ranking_block_users, rank, world_size)
-    part = _rank_rows(inputs, config, rows.start, rows.stop)
-    parts: list[dict[str, np.ndarray] | None] | None = [None] * world_size if rank == 0 else None
-    torch_dist.gather_object(part, parts, dst=0)
-    if rank == 0:
-        assert parts is not None  # rank 0 passed the list above
-        merged = {key: np.concatenate([p[key] for p in parts]) for key in part}
-        _write_result(Path(spec["result_file"]), merged)
-    torch_dist.destroy_process_group()
+
+    def rank_rows(rank: int, world_size: int) -> dict[str, np.ndarray]:
+        sequences_dir = Path(spec["sequences_dir"])
+        inputs = _load_inputs(config, Path(spec["train_dir"]), sequences_dir)
+        if len(inputs.targets) != spec["num_rows"]:
+            raise SchemaError(
+                f"{sequences_dir / (config.split + '.parquet')} has {len(inputs.targets)} rows "
+                f"with in-vocabulary targets, the parent counted {spec['num_rows']}: it "
+                "changed during the evaluation; rerun evaluate"
+            )
+        rows = _rank_blocks(len(inputs.targets), config.ranking_block_users, rank, world_size)
+        return _rank_rows(inputs, config, rows.start, rows.stop)
+
+    run_evaluate_rank(spec, "min(evaluate.workers, blocks)", rank_rows, _concatenate, _savez)
 
 
-def _write_result(path: Path, ranks: dict[str, np.ndarray]) -> None:
-    """Save the merged ranks to `path` as an .npz, by rename: whole or not at all."""
-    partial = path.with_name(path.name + ".partial")
-    with partial.open("wb") as file:  # a file object: np.savez adds no ".npz" to it
-        np.savez(file, **ranks)
-    os.replace(partial, path)
+def _concatenate(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+
+
+def _savez(file: IO[bytes], ranks: dict[str, np.ndarray]) -> None:
+    np.savez(file, **ranks)  # a file object: np.savez adds no ".npz" to it
 
 
 def main(argv: list[str] | None = None) -> int:
