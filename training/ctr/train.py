@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -37,15 +36,12 @@ from training.ctr.memory import check_memory, plan_memory
 from training.ctr.model import build_arch, model_config_from
 from training.ctr.reader import steps_per_epoch
 from training.runtime.deepspeed_config import build_deepspeed_config
-from training.runtime.launcher import TrainResult, chaos_settings, launcher_env
+from training.runtime.launcher import TrainResult, chaos_settings
 from training.runtime.memory import MemoryPlan
-from training.runtime.stage import (
-    NOT_FINGERPRINTED,
-    LaunchPlan,
-    launch_train_ranks,
-    resume_root,
-    train_result,
-)
+from training.runtime.stage import NOT_FINGERPRINTED, LaunchPlan, resume_root, run_train_stage
+
+# The rank module `train_model` launches.
+WORKER = "training.ctr.worker"
 
 # How each training step's time is split (see training.ctr.worker).
 PHASES = ("data", "lookup", "dense", "optimizer")
@@ -136,25 +132,22 @@ def train_model(
         TrainingCrashed: The launcher or a rank exited non-zero (message has the exit
             code and the last output lines).
     """
-    started = time.monotonic()
-    out_dir = Path(out_dir).resolve()
-    launch_env = launcher_env(env, accelerator)
-    plan = plan_ctr_run(
-        config, shards_dir, out_dir, accelerator, env, memory_budget, checkpoint_root
-    )
-    summary = launch_train_ranks(
+
+    return run_train_stage(
+        plan_ctr_run,
+        WORKER,
         config,
-        plan,
+        shards_dir,
         out_dir,
-        "training.ctr.worker",
-        python,
+        accelerator,
         master_port,
-        launch_env,
+        env,
         on_log,
         on_progress,
+        python,
+        memory_budget,
+        checkpoint_root,
     )
-    step_ms = dict(summary.get("step_ms", {}))
-    return train_result(out_dir, summary, started, plan.memory_plan, step_ms)
 
 
 def plan_ctr_run(

@@ -4,7 +4,7 @@ Writes into a train output directory: `memory_plan.json`, `train_config.json`,
 `model_config.json` and `launch.json` (the spec the ranks read), then launches the
 ranks (`training.runtime.launcher`) and turns rank 0's summary into a `TrainResult`.
 What to plan and what the spec holds stays with the family (`training.ctr.train`,
-`training.sequence.train`).
+`training.sequence.train`, as a `LaunchPlan`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from training.config import TrainConfig
 from training.runtime.files import (
@@ -29,7 +29,7 @@ from training.runtime.files import (
     WEIGHTS_FILE,
     write_json,
 )
-from training.runtime.launcher import TrainResult, launch_ranks, launcher_command
+from training.runtime.launcher import TrainResult, launch_ranks, launcher_command, launcher_env
 from training.runtime.memory import MemoryPlan, plan_record
 
 # Train config fields that say how a run reports and saves, not what it trains: a
@@ -69,36 +69,65 @@ class LaunchPlan:
     checkpoint_root: Path
 
 
-def launch_train_ranks(
-    config: TrainConfig,
-    plan: LaunchPlan,
-    out_dir: Path,
+class PlanRun(Protocol):
+    """A family's planning: `plan_ctr_run` or `plan_sequence_run`."""
+
+    def __call__(
+        self,
+        config: TrainConfig,
+        data_dir: Path,
+        out_dir: Path,
+        accelerator: Literal["cpu", "cuda"],
+        env: Mapping[str, str],
+        memory_budget: tuple[int, str] | None,
+        checkpoint_root: Path | None,
+    ) -> LaunchPlan: ...
+
+
+def run_train_stage(
+    plan_run: PlanRun,
     module: str,
-    python: str,
+    config: TrainConfig,
+    data_dir: Path,
+    out_dir: Path,
+    accelerator: Literal["cpu", "cuda"],
     master_port: int,
-    launch_env: Mapping[str, str],
+    env: Mapping[str, str],
     on_log: Callable[[str], None] | None,
     on_progress: Callable[[dict[str, Any]], None] | None,
-) -> dict[str, Any]:
-    """Write the run's files, launch `config.world_size` ranks of `module`, collect them.
+    python: str,
+    memory_budget: tuple[int, str] | None,
+    checkpoint_root: Path | None,
+) -> TrainResult:
+    """Plan a run, write its files, launch `config.world_size` ranks of `module`, collect them.
 
     Args:
-        config: The resolved train config (saved as `train_config.json`).
-        plan: The launch spec, model config and memory plan to save, and the resume root.
-        out_dir: The train output directory (created; stale outputs removed).
+        plan_run: The family's planning (launch spec, model config, memory plan).
         module: The rank module, e.g. "training.ctr.worker".
-        python: The interpreter that runs the launcher.
+        config: The resolved train config (saved as `train_config.json`).
+        data_dir: What the family trains on (shard or sequences directory).
+        out_dir: The train output directory (created; stale outputs removed).
+        accelerator: "cpu" (gloo, `DS_ACCELERATOR=cpu` for the ranks) or "cuda".
         master_port: A free TCP port for the ranks' rendezvous.
-        launch_env: The launcher's environment (`launcher_env`).
+        env: The launcher's environment, built by the caller.
         on_log: Called with every output line of the launcher and the ranks.
         on_progress: Called with every parsed progress record.
+        python: The interpreter that runs the launcher.
+        memory_budget: Passed to `plan_run`.
+        checkpoint_root: Passed to `plan_run`.
 
     Returns:
-        Rank 0's `train_summary.json`.
+        The run's result, from rank 0's `train_summary.json` ("final_loss", "steps",
+        "samples_per_s", "step_ms", "resumed_from_step").
 
     Raises:
+        ConfigError, InputNotFoundError, SchemaError: From `plan_run`, before any launch.
         TrainingCrashed: The launcher or a rank exited non-zero.
     """
+    started = time.monotonic()
+    out_dir = Path(out_dir).resolve()
+    launch_env = launcher_env(env, accelerator)
+    plan = plan_run(config, data_dir, out_dir, accelerator, env, memory_budget, checkpoint_root)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in _STALE_FILES:
         (out_dir / stale).unlink(missing_ok=True)
@@ -110,33 +139,14 @@ def launch_train_ranks(
     command = launcher_command(python, config.world_size, master_port, module, spec_path)
     # Resumable runs share their checkpoints across attempts: record who writes them.
     owner = plan.checkpoint_root / RANKS_FILE if config.checkpoint_every else None
-    return launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner)
-
-
-def train_result(
-    out_dir: Path,
-    summary: Mapping[str, Any],
-    started: float,
-    memory_plan: MemoryPlan,
-    step_ms: dict[str, float],
-) -> TrainResult:
-    """The stage's result from rank 0's summary.
-
-    Args:
-        out_dir: The train output directory.
-        summary: Rank 0's `train_summary.json` ("final_loss", "steps", "samples_per_s",
-            "resumed_from_step").
-        started: `time.monotonic()` when the stage started.
-        memory_plan: The planner's estimate.
-        step_ms: Milliseconds per step by phase.
-    """
+    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner)
     return TrainResult(
         out_dir=out_dir,
         final_loss=float(summary["final_loss"]),
         steps=int(summary["steps"]),
         samples_per_s=float(summary["samples_per_s"]),
         seconds=time.monotonic() - started,
-        step_ms=step_ms,
-        memory_plan=memory_plan,
+        step_ms=dict(summary.get("step_ms", {})),
+        memory_plan=plan.memory_plan,
         resumed_from_step=summary.get("resumed_from_step"),
     )

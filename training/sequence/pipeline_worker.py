@@ -8,7 +8,8 @@ Run under the DeepSpeed launcher (`python -m deepspeed.launcher.runner --num_gpu
 Writes, on rank 0:
 
 - `out`: JSON `{"losses": [...], "final_loss", "steps", "samples", "samples_per_s",
-  "world_size", "num_stages", "parts", "seconds", "peak_rss_mb_rank0"}`, one loss per
+  "resumed_from_step", "world_size", "num_stages", "parts", "seconds", "step_ms",
+  "peak_rss_mb_rank0"}`, one loss per
   optimizer step (the mean over its micro batches, which DeepSpeed's pipeline engine
   broadcasts from the last stage to every rank);
 - `train_log` (when set): one progress record per `train.log_every` steps, also printed
@@ -500,6 +501,8 @@ def _write_outputs(
         "num_stages": config.pipeline_stages,
         "parts": [int(part) for part in module.parts],
         "seconds": seconds,
+        # One phase: the pipeline engine runs forward, backward and step as one call.
+        "step_ms": {"step": 1000.0 * seconds / max(spec.steps, 1)},
         "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     spec.out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -41,7 +40,7 @@ from training.runtime.files import (
     TRAIN_LOG_FILE,
     WEIGHTS_FILE,
 )
-from training.runtime.launcher import TrainResult, chaos_settings, launcher_env
+from training.runtime.launcher import TrainResult, chaos_settings
 from training.runtime.memory import (
     CHUNK_BYTES,
     FP32_BYTES,
@@ -49,17 +48,11 @@ from training.runtime.memory import (
     MemoryPlan,
     human_bytes,
 )
-from training.runtime.stage import (
-    NOT_FINGERPRINTED,
-    LaunchPlan,
-    launch_train_ranks,
-    resume_root,
-    train_result,
-)
+from training.runtime.stage import NOT_FINGERPRINTED, LaunchPlan, resume_root, run_train_stage
 from training.sequence.pipeline_worker import PipelineSpec
 from training.sequence.registry import sequence_model
 
-PIPELINE_WORKER = "training.sequence.pipeline_worker"
+WORKER = "training.sequence.pipeline_worker"
 SEQUENCES_META_FILE = "sequences.json"
 TRAIN_SEQUENCES_FILE = "train.parquet"
 ITEM_FEATURES_FILE = "item_features.parquet"
@@ -268,25 +261,22 @@ def train_sequence_model(
             parsed).
         TrainingCrashed: The launcher or a rank exited non-zero.
     """
-    started = time.monotonic()
-    out_dir = Path(out_dir).resolve()
-    launch_env = launcher_env(env, accelerator)
-    plan = plan_sequence_run(
-        config, sequences_dir, out_dir, accelerator, env, memory_budget, checkpoint_root
-    )
-    summary = launch_train_ranks(
+
+    return run_train_stage(
+        plan_sequence_run,
+        WORKER,
         config,
-        plan,
+        sequences_dir,
         out_dir,
-        PIPELINE_WORKER,
-        python,
+        accelerator,
         master_port,
-        launch_env,
+        env,
         on_log,
         on_progress,
+        python,
+        memory_budget,
+        checkpoint_root,
     )
-    step_ms = {"step": 1000.0 * summary["seconds"] / max(int(summary["steps"]), 1)}
-    return train_result(out_dir, summary, started, plan.memory_plan, step_ms)
 
 
 def plan_sequence_run(
