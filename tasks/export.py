@@ -7,10 +7,12 @@ from prefect.artifacts import create_markdown_artifact
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.store import ArtifactStore
-from training.config import SEQUENCE_MODELS, ExportConfig
+from training.config import ExportConfig
 from training.ctr.export import export_model
+from training.packaging import ExportResult
 from training.sequence.bst_export import export_bst_model
 from training.sequence.export import export_sequence_model
+from training.sequence.registry import SEQUENCE_MODEL_REGISTRY, sequence_model
 
 # The infra validation figures kept in the stage's manifest (the package holds the rest).
 INFRA_KEYS = (
@@ -39,8 +41,9 @@ def export_task(
 ) -> StageOutput:
     """Package the trained model (weights, ONNX, TorchScript, transform, card); register it.
 
-    Sequence models (`model` in SEQUENCE_MODELS) export a top-K recommender: history ->
-    the `config.top_k` best item indices and scores (`item_field` names the item ids).
+    Sequence models (`model` in the sequence registry) that rank every item export a
+    top-K recommender: history -> the `config.top_k` best item indices and scores; BST
+    exports a candidate scorer (`item_field` names the item ids).
     CTR models given `ingest` are infra-validated: the package's own score.py scores raw
     test events in a fresh interpreter (`infra_validation.json`), and its scores of them
     must be the evaluate stage's (`scores_head.npy`) of the same rows.
@@ -50,55 +53,41 @@ def export_task(
     fp = stage_fingerprint("export", section, upstream)
 
     def produce(out_dir: Path) -> dict:
-        if model == "bst":
-            bst = export_bst_model(
-                config,
+        preprocessed = Path(preprocess.output)
+        if model in SEQUENCE_MODEL_REGISTRY:
+            sequence_args = (
                 Path(train.output),
-                Path(preprocess.output) / "transform.json",
-                Path(preprocess.output) / "sequences",
+                preprocessed / "transform.json",
+                preprocessed / "sequences",
                 item_field,
                 Path(evaluate.output) / "metrics.json",
                 out_dir,
             )
+            if not sequence_model(model).full_ranking:
+                # A model that scores given candidates (BST) ships as a candidate scorer.
+                result = export_bst_model(config, *sequence_args)
+                return {"parity_rows": result.parity_rows, **_diffs(result)}
+            result = export_sequence_model(config, *sequence_args, k=config.top_k)
             return {
-                "parity_rows": bst.parity_rows,
-                "parity_max_abs_diff_onnx": bst.parity_max_abs_diff_onnx,
-                "parity_max_abs_diff_torchscript": bst.parity_max_abs_diff_torchscript,
-            }
-        if model in SEQUENCE_MODELS:
-            exported = export_sequence_model(
-                config,
-                Path(train.output),
-                Path(preprocess.output) / "transform.json",
-                Path(preprocess.output) / "sequences",
-                item_field,
-                Path(evaluate.output) / "metrics.json",
-                out_dir,
-                k=config.top_k,
-            )
-            return {
-                "parity_rows": exported.parity_rows,
-                "top_k_match_onnx": exported.top_k_match_onnx,
-                "top_k_match_torchscript": exported.top_k_match_torchscript,
-                "parity_max_abs_diff_onnx": exported.parity_max_abs_diff_onnx,
-                "parity_max_abs_diff_torchscript": exported.parity_max_abs_diff_torchscript,
+                "parity_rows": result.parity_rows,
+                "top_k_match_onnx": result.top_k_match_onnx,
+                "top_k_match_torchscript": result.top_k_match_torchscript,
+                **_diffs(result),
             }
         result = export_model(
             config,
             Path(train.output),
-            Path(preprocess.output) / "transform.json",
+            preprocessed / "transform.json",
             Path(shard.output),
             Path(evaluate.output) / "metrics.json",
             out_dir,
             events_dir=Path(ingest.output) / "events" if ingest is not None else None,
             evaluate_dir=Path(evaluate.output),
         )
+        infra = result.infra_validation
         return {
-            "parity_max_abs_diff_onnx": result.parity_max_abs_diff_onnx,
-            "parity_max_abs_diff_torchscript": result.parity_max_abs_diff_torchscript,
-            "infra_validation": None
-            if result.infra_validation is None
-            else {key: result.infra_validation[key] for key in INFRA_KEYS},
+            **_diffs(result),
+            "infra_validation": None if infra is None else {key: infra[key] for key in INFRA_KEYS},
         }
 
     output = run_stage("export", fp, mode, root, produce)
@@ -116,3 +105,11 @@ def export_task(
         description=f"Model card of {model_dir}",
     )
     return as_state(output)
+
+
+def _diffs(result: ExportResult) -> dict:
+    """The package's parity figures kept in the stage's manifest."""
+    return {
+        "parity_max_abs_diff_onnx": result.parity_max_abs_diff_onnx,
+        "parity_max_abs_diff_torchscript": result.parity_max_abs_diff_torchscript,
+    }

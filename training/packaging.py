@@ -186,6 +186,50 @@ class Parity:
         return close and self.rows_differing_onnx == 0 and self.rows_differing_torchscript == 0
 
 
+@dataclass(frozen=True)
+class ExportResult:
+    """An exported model package and its parity figures (every family's export returns one).
+
+    Attributes:
+        out_dir: The package directory.
+        parity: How onnxruntime and TorchScript compared with the reference.
+        files: The package's files, relative to out_dir, sorted.
+        infra_validation: The infra validation report without its scores, for a package
+            that was infra-validated (CTR: `training.ctr.package.infra_validate`), else None.
+    """
+
+    out_dir: Path
+    parity: Parity
+    files: list[str]
+    infra_validation: dict[str, Any] | None = None
+
+    @property
+    def parity_rows(self) -> int:
+        """Rows in the parity sample."""
+        return self.parity.rows
+
+    @property
+    def parity_max_abs_diff_onnx(self) -> float:
+        """Largest |reference - onnxruntime| over the outputs compared within tolerance."""
+        return self.parity.max_abs_diff_onnx
+
+    @property
+    def parity_max_abs_diff_torchscript(self) -> float:
+        """Largest |reference - TorchScript| over the outputs compared within tolerance."""
+        return self.parity.max_abs_diff_torchscript
+
+    @property
+    def top_k_match_onnx(self) -> float:
+        """Share of parity rows whose exact outputs (a top-K recommender's item ids)
+        onnxruntime reproduced: 1.0 in a package that passed, and where none are exact."""
+        return 1.0 - self.parity.rows_differing_onnx / self.parity.rows
+
+    @property
+    def top_k_match_torchscript(self) -> float:
+        """The same share for TorchScript."""
+        return 1.0 - self.parity.rows_differing_torchscript / self.parity.rows
+
+
 def write_package(
     graph: ServedGraph,
     out_dir: Path,

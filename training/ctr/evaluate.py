@@ -182,12 +182,9 @@ def evaluate_model(
             if missing.
         transform_path: preprocess's transform.json, to name slice values by their raw
             value; None keys them by index.
-        env: The launcher's environment, built by the caller (this library reads none);
-            DS_ACCELERATOR=cpu is added (evaluate scores on CPU). None: the launcher
-            inherits this process's environment as it is. Only used with ranks.
-        master_port: A free TCP port for the ranks' rendezvous; None picks one.
-        python: The interpreter that runs the launcher.
-        on_log: Called with every output line of the launcher and the ranks.
+        env, master_port, python, on_log: How the ranks start, only used with ranks
+            (see `training.runtime.evaluate_ranks.RankLaunch`; this library reads no
+            environment: the caller builds `env`).
 
     Returns:
         The metrics.

@@ -7,10 +7,7 @@ process would score them (`training.ctr.evaluate._score_files`). Rank 0 merges e
 rank's accumulators in rank order and writes the merged `_Accumulators` as a pickle to
 the spec's `result_file`; `evaluate_model` writes metrics.json from that pickle alone.
 
-The rank skeleton (process group, rank count check, chaos kill, gather, write by
-rename) is `training.runtime.evaluate_ranks.run_evaluate_rank`. Any exception prints one
-`RECFORGE_ERROR {"rank": r, "error": "..."}` line (`training.runtime.rank.rank_main`)
-and exits non-zero; the launcher then stops the other ranks.
+Everything else a rank does is `training.runtime.evaluate_ranks.run_evaluate_rank`'s.
 """
 
 from __future__ import annotations

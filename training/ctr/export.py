@@ -39,7 +39,6 @@ through the package gives the scores the evaluate stage reported metrics of.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +66,7 @@ from training.packaging import (
     MODEL_CARD_FILE,
     PARITY_SPLIT,
     RUNTIME_FILES,
+    ExportResult,
     Parity,
     ServedGraph,
     check_files_exist,
@@ -85,26 +85,6 @@ INPUT_NAMES = ("sparse", "dense")
 
 
 OUTPUT_NAME = "score"
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    """An exported model package.
-
-    Attributes:
-        out_dir: The package directory.
-        parity_max_abs_diff_onnx: Largest |torch - onnxruntime| score on the parity sample.
-        parity_max_abs_diff_torchscript: Largest |torch - TorchScript| score on it.
-        files: The package's files, relative to out_dir, sorted.
-        infra_validation: The infra validation report without its scores (see
-            `training.ctr.package.infra_validate`), or None when no events were given.
-    """
-
-    out_dir: Path
-    parity_max_abs_diff_onnx: float
-    parity_max_abs_diff_torchscript: float
-    files: list[str]
-    infra_validation: dict[str, Any] | None = None
 
 
 class ScoringModule(nn.Module):
@@ -211,13 +191,7 @@ def export_model(
         config, meta, model_config, train_dir, read_metrics(metrics_path), parity, infra
     )
     (out_dir / MODEL_CARD_FILE).write_text(card)
-    return ExportResult(
-        out_dir=out_dir,
-        parity_max_abs_diff_onnx=parity.max_abs_diff_onnx,
-        parity_max_abs_diff_torchscript=parity.max_abs_diff_torchscript,
-        files=package_files(out_dir),
-        infra_validation=infra,
-    )
+    return ExportResult(out_dir, parity, package_files(out_dir), infra)
 
 
 def _served_graph(

@@ -21,7 +21,6 @@ the fitted transform file, the first rows of `<sequences_dir>/test.parquet` (`hi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from training.config import ExportConfig
 from training.packaging import (
     PARITY_SPLIT,
     RUNTIME_FILES,
+    ExportResult,
     Parity,
     ServedGraph,
     parity_table,
@@ -51,25 +51,6 @@ INPUT_NAMES = ("history", "candidates")
 OUTPUT_NAME = "scores"
 PARITY_NEGATIVES = 20
 _PARITY_SEED = 0
-
-
-@dataclass(frozen=True)
-class BSTExportResult:
-    """An exported BST candidate scorer.
-
-    Attributes:
-        out_dir: The package directory.
-        parity_rows: Test histories in the parity sample.
-        parity_max_abs_diff_onnx: Largest |torch - onnxruntime| probability.
-        parity_max_abs_diff_torchscript: Largest |torch - TorchScript| probability.
-        files: The package's files, relative to out_dir, sorted.
-    """
-
-    out_dir: Path
-    parity_rows: int
-    parity_max_abs_diff_onnx: float
-    parity_max_abs_diff_torchscript: float
-    files: list[str]
 
 
 class CandidateScorer(nn.Module):
@@ -100,7 +81,7 @@ def export_bst_model(
     item_field: str,
     metrics_path: Path | None,
     out_dir: Path,
-) -> BSTExportResult:
+) -> ExportResult:
     """Write the BST package and check that ONNX and TorchScript match torch.
 
     Args:
@@ -148,13 +129,7 @@ def export_bst_model(
         _model_description(inputs.model_config),
         _parity_lines(config, parity),
     )
-    return BSTExportResult(
-        out_dir=out_dir,
-        parity_rows=parity.rows,
-        parity_max_abs_diff_onnx=parity.max_abs_diff_onnx,
-        parity_max_abs_diff_torchscript=parity.max_abs_diff_torchscript,
-        files=finish_package(out_dir, inputs.items, card),
-    )
+    return ExportResult(out_dir, parity, finish_package(out_dir, inputs.items, card))
 
 
 def _served_graph(model: BST, history: torch.Tensor, candidates: torch.Tensor) -> ServedGraph:

@@ -8,10 +8,7 @@ computed as one process computes it (`_rank_rows`). Rank 0 concatenates every ra
 per-row target ranks in rank order (row order) and writes them as an .npz to the
 spec's `result_file`; `evaluate_sequence_model` computes metrics.json from it alone.
 
-The rank skeleton (process group, rank count check, chaos kill, gather, write by
-rename) is `training.runtime.evaluate_ranks.run_evaluate_rank`. Any exception prints one
-`RECFORGE_ERROR {"rank": r, "error": "..."}` line (`training.runtime.rank.rank_main`)
-and exits non-zero; the launcher then stops the other ranks.
+Everything else a rank does is `training.runtime.evaluate_ranks.run_evaluate_rank`'s.
 """
 
 from __future__ import annotations

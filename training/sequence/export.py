@@ -47,6 +47,7 @@ from training.packaging import (
     MODEL_CARD_FILE,
     PARITY_SPLIT,
     RUNTIME_FILES,
+    ExportResult,
     Parity,
     ServedGraph,
     check_files_exist,
@@ -66,30 +67,6 @@ MODEL_KIND = "sasrec"
 INPUT_NAME = "history"
 OUTPUT_NAMES = ("items", "scores")
 ITEM_IDS_FILE = "item_ids.json"
-
-
-@dataclass(frozen=True)
-class SequenceExportResult:
-    """An exported top-K recommender package.
-
-    Attributes:
-        out_dir: The package directory.
-        parity_rows: Test histories in the parity sample (N).
-        top_k_match_onnx: Fraction of parity rows whose onnxruntime top-K item ids equal
-            the reference exactly (1.0 in a package that passed the check).
-        top_k_match_torchscript: The same for TorchScript.
-        parity_max_abs_diff_onnx: Largest |reference - onnxruntime| top-K score.
-        parity_max_abs_diff_torchscript: Largest |reference - TorchScript| top-K score.
-        files: The package's files, relative to out_dir, sorted.
-    """
-
-    out_dir: Path
-    parity_rows: int
-    top_k_match_onnx: float
-    top_k_match_torchscript: float
-    parity_max_abs_diff_onnx: float
-    parity_max_abs_diff_torchscript: float
-    files: list[str]
 
 
 def load_sequence_model(
@@ -253,7 +230,7 @@ def export_sequence_model(
     metrics_path: Path | None,
     out_dir: Path,
     k: int = 10,
-) -> SequenceExportResult:
+) -> ExportResult:
     """Write the top-K package and check that ONNX and TorchScript rank like the model.
 
     Args:
@@ -267,7 +244,8 @@ def export_sequence_model(
         k: K, the recommendations per user.
 
     Returns:
-        The package and its parity figures.
+        The package and its parity figures (`top_k_match_*`: the share of parity rows
+        whose top-K item ids the runtime reproduced exactly).
 
     Raises:
         InputNotFoundError: A model file, the transform, test.parquet or the metrics is
@@ -303,16 +281,7 @@ def export_sequence_model(
         *parity_table(parity, config.opset, exact_column="rows with identical top-K"),
     ]
     card = sequence_model_card(config, inputs, description, parity_lines)
-    files = finish_package(out_dir, inputs.items, card)
-    return SequenceExportResult(
-        out_dir=out_dir,
-        parity_rows=parity.rows,
-        top_k_match_onnx=1.0 - parity.rows_differing_onnx / parity.rows,
-        top_k_match_torchscript=1.0 - parity.rows_differing_torchscript / parity.rows,
-        parity_max_abs_diff_onnx=parity.max_abs_diff_onnx,
-        parity_max_abs_diff_torchscript=parity.max_abs_diff_torchscript,
-        files=files,
-    )
+    return ExportResult(out_dir, parity, finish_package(out_dir, inputs.items, card))
 
 
 def _served_graph(model: SASRec, history: torch.Tensor, k: int) -> ServedGraph:

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from data_prep.errors import ParityError, SchemaError
 from training.config import ExportConfig
+from training.packaging import ExportResult
 from training.sequence import bst_export
 from training.sequence.bst import BST, score_candidates
 from training.sequence.bst_export import PARITY_NEGATIVES, export_bst_model
@@ -55,7 +56,7 @@ def dirs(tmp_path: Path) -> dict[str, Path]:
     return {"train": train, "seq": seq, "transform": transform, "out": tmp_path / "pkg"}
 
 
-def export(dirs: dict[str, Path], **config) -> bst_export.BSTExportResult:
+def export(dirs: dict[str, Path], **config) -> ExportResult:
     return export_bst_model(
         ExportConfig(model_name="bst", parity_rows=10, **config),
         dirs["train"],

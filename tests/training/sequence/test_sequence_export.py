@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 
 from data_prep.errors import ConfigError, InputNotFoundError, ParityError, SchemaError
 from training.config import ExportConfig
+from training.packaging import ExportResult
 from training.sequence import export as sequence_export
 from training.sequence.export import (
-    SequenceExportResult,
     TopKScorer,
     export_sequence_model,
     load_sequence_model,
@@ -107,7 +107,7 @@ def inputs(tmp_path: Path) -> dict[str, Path]:
     }
 
 
-def export(inputs: dict[str, Path], out_dir: Path, **config: object) -> SequenceExportResult:
+def export(inputs: dict[str, Path], out_dir: Path, **config: object) -> ExportResult:
     return export_sequence_model(
         ExportConfig(model_name="sasrec-test", **config),
         inputs["train_dir"],
