@@ -8,10 +8,11 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
-from training.config import SEQUENCE_MODELS, EvaluateConfig
+from training.config import EvaluateConfig
 from training.ctr.evaluate import evaluate_model
 from training.runtime.launcher import free_port
 from training.sequence.evaluate import evaluate_sequence_model
+from training.sequence.registry import SEQUENCE_MODEL_REGISTRY
 
 # How many ranks score the split, not what they compute: the metrics are the same.
 _NOT_FINGERPRINTED = {"workers"}
@@ -36,14 +37,14 @@ def evaluate_task(
 
     CTR models: AUC and logloss over the shards, slices named through preprocess's
     transform.json, and scores_head.npy (export's infra validation reference).
-    Sequence models (`model` in SEQUENCE_MODELS): leave-one-out ranking of
+    Sequence models (`model` in the sequence registry): leave-one-out ranking of
     preprocess's sequences, with the popularity baseline.
     """
     upstream = [train, shard, preprocess]
     fp = stage_fingerprint("evaluate", evaluate_section(config), upstream)
 
     def produce(out_dir: Path) -> dict:
-        if model in SEQUENCE_MODELS:
+        if model in SEQUENCE_MODEL_REGISTRY:
             sequences = Path(preprocess.output) / "sequences"
             result = evaluate_sequence_model(
                 config,
