@@ -22,8 +22,9 @@ they are read; pass 1 keeps one open per bucket, so there may be at most
 ``MAX_SPILL_BUCKETS`` (raise ``shuffle_buffer_rows`` for bigger splits).
 
 Every shard is written in row groups of exactly ``row_group_size`` rows (the last one
-shorter). Memory: one bucket (about ``shuffle_buffer_rows`` rows) plus one row group
-per shard, whatever the split's size. With ``num_train_shards`` a multiple of the
+shorter). Memory: two buckets (about ``shuffle_buffer_rows`` rows each: one being
+written while the next is permuted) plus one row group per shard, whatever the split's
+size. valid and test are written while train is shuffled. With ``num_train_shards`` a multiple of the
 training world size every rank reads its own files (``training.data.rank_slices``).
 """
 
@@ -31,7 +32,7 @@ import json
 import math
 import shutil
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -299,9 +300,13 @@ def _write_shuffled(source: _Source, config: ShardConfig, layout: _Layout, out_d
     count = config.num_train_shards
     writers = [_ShardWriter(out_dir / shard_name("train", k, count), layout) for k in range(count)]
     position = 0  # rows dealt so far; the next row goes to shard position % count
+    writing: list[Future[None]] = []
     with ThreadPoolExecutor(max_workers=pa.cpu_count()) as pool:
         for bucket, table in _buckets(source, config, out_dir / ".spill-train"):
-            position = _deal(table, bucket, position, writers, config.seed, pool)
+            # The next bucket is read and permuted while the last one is written.
+            position, writing = _deal(table, bucket, position, writers, config.seed, pool, writing)
+        for done in writing:
+            done.result()
     return [writer.close() for writer in writers]
 
 
@@ -312,8 +317,15 @@ def _deal(
     writers: list[_ShardWriter],
     seed: int,
     pool: ThreadPoolExecutor,
-) -> int:
-    """Permute one bucket, deal its rows round-robin from ``position``; the new position."""
+    writing: list[Future[None]],
+) -> tuple[int, list[Future[None]]]:
+    """Permute one bucket and deal its rows round-robin from ``position``.
+
+    Waits for the previous bucket's writes (``writing``) before handing this one's over.
+
+    Returns:
+        The new position and this bucket's pending writes.
+    """
     count, n = len(writers), table.num_rows
     permutation = np.random.default_rng([seed, bucket]).permutation(n)
     firsts = [(k - position) % count for k in range(count)]
@@ -323,10 +335,11 @@ def _deal(
     sizes = [len(range(first, n, count)) for first in firsts]
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
     parts = [dealt.slice(start, size) for start, size in zip(starts, sizes, strict=True)]
-    # One task per shard and bucket, awaited before the next bucket: every shard gets its
+    # One task per shard and bucket, awaited before the next bucket's: every shard gets its
     # rows in the same order whatever the number of threads.
-    list(pool.map(_ShardWriter.add, writers, parts))
-    return position + n
+    for done in writing:
+        done.result()
+    return position + n, [pool.submit(w.add, part) for w, part in zip(writers, parts, strict=True)]
 
 
 def bucket_of_rows(rows: np.ndarray, seed: int, buckets: int) -> np.ndarray:
