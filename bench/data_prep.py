@@ -84,7 +84,13 @@ def main() -> None:
     parser.add_argument(
         "--peers", default=",".join(PEERS), help=f"Comma-separated subset of {PEERS}."
     )
-    parser.add_argument("--repeat", type=int, default=1, help="Runs per measurement; best kept.")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="Runs per measurement, best kept, at the sizes the peers run at (larger sizes, "
+        "which only measure recforge's memory, run once).",
+    )
     parser.add_argument("--child", choices=("recforge", *PEERS), help=argparse.SUPPRESS)
     parser.add_argument("--input", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -113,9 +119,11 @@ def main() -> None:
     for rows in sizes:
         raw = generate(args.workdir, rows, args.format)
         entry: dict = {"rows": rows, "raw_mb": _size_mb(raw)}
-        engines = ["recforge"] + (peers if rows <= args.peer_max_rows else [])
+        with_peers = rows <= args.peer_max_rows
+        engines = ["recforge"] + (peers if with_peers else [])
+        repeat = args.repeat if with_peers else 1
         for engine in engines:
-            entry[engine] = measure(engine, raw, args.workdir / f"out-{engine}", args.repeat)
+            entry[engine] = measure(engine, raw, args.workdir / f"out-{engine}", repeat)
             print(f"{rows:>11,} rows  {engine:<16} {_describe(entry[engine])}", file=sys.stderr)
         results.append(entry)
     summary = summarise(results, args)
