@@ -230,6 +230,31 @@ class _Counters:
     resumed_from_step: int | None = None
 
 
+@dataclass
+class _Rank:
+    """What one rank trains with, handed to the steps of `run`.
+
+    Attributes:
+        spec: The parsed launch.json.
+        config: Its train config.
+        engine: The DeepSpeed engine of the dense part.
+        store: This rank's embedding shard (sharded embeddings), else None.
+        reader: This rank's train split reader.
+        resume_store: The resume checkpoints (train.checkpoint_every), else None.
+        preemption: SIGTERM agreement (with resume checkpoints), else None.
+        counters: Where the run stands.
+    """
+
+    spec: dict[str, Any]
+    config: TrainConfig
+    engine: deepspeed.DeepSpeedEngine
+    store: ShardedEmbedding | None
+    reader: ShardReader
+    resume_store: CheckpointStore | None
+    preemption: Preemption | None
+    counters: _Counters = field(default_factory=_Counters)
+
+
 def run(spec: dict[str, Any]) -> None:
     """Train one rank according to a launch spec.
 
@@ -252,7 +277,8 @@ def run(spec: dict[str, Any]) -> None:
         out_dir / TENSORBOARD_DIR if config.tensorboard and on_rank0 else None
     )
     log_file = (out_dir / TRAIN_LOG_FILE).open("a") if on_rank0 else None
-    counters = _Counters()
+    state = _Rank(spec, config, engine, store, reader, resume_store, preemption)
+    counters = state.counters
     if resume_point is not None:
         skip = frozenset(spec.get("chaos", {}).get("skip_restore", []))
         table_rows = sum(spec["model_config"]["table_sizes"])
@@ -262,18 +288,7 @@ def run(spec: dict[str, Any]) -> None:
     engine.train()
     started = time.monotonic()
     try:
-        _train_steps(
-            spec,
-            config,
-            engine,
-            store,
-            reader,
-            counters,
-            resume_store,
-            preemption,
-            log_file,
-            writer,
-        )
+        _train_steps(state, log_file, writer)
     finally:
         reader.close()
     seconds = time.monotonic() - started
@@ -392,23 +407,19 @@ def _open_reader(
     )
 
 
-def _train_steps(
-    spec: dict[str, Any],
-    config: TrainConfig,
-    engine: deepspeed.DeepSpeedEngine,
-    store: ShardedEmbedding | None,
-    reader: ShardReader,
-    counters: _Counters,
-    resume_store: CheckpointStore | None,
-    preemption: Preemption | None,
-    log_file: IO[str] | None,
-    writer: Any,
-) -> None:
+def _train_steps(state: _Rank, log_file: IO[str] | None, writer: Any) -> None:
     """Every rank: the micro batches up to total_steps, with checkpoints and progress.
+
+    Args:
+        state: The rank's engine, embedding shard, reader and counters.
+        log_file: Rank 0's open `train_log.jsonl`, else None.
+        writer: Rank 0's TensorBoard writer, else None.
 
     Raises:
         Preempted: SIGTERM arrived; the resume checkpoint of that step is committed.
     """
+    spec, config, engine, store = state.spec, state.config, state.engine, state.store
+    counters = state.counters
     total_steps = int(spec["total_steps"])
     micro_total = total_steps * config.grad_accum_steps
     # Half-precision engines hold half weights: the dense input must match them.
@@ -418,7 +429,7 @@ def _train_steps(
     offsets = table_offsets(list(spec["model_config"]["table_sizes"]))
     with_features = config.admission_min_count >= 2
     window_started = time.monotonic()
-    batches = iter(reader)
+    batches = iter(state.reader)
     while counters.micro_done < micro_total:
         t0 = time.perf_counter()
         batch = next(batches)
@@ -435,10 +446,10 @@ def _train_steps(
         if counters.micro_done % config.grad_accum_steps:
             continue
         counters.step += 1
-        _checkpoint_step(spec, config, engine, store, reader, counters, resume_store, preemption)
+        _checkpoint_step(state)
         if counters.step % config.log_every and counters.step != total_steps:
             continue
-        record, now = _progress_record(config, counters, reader, total_steps, window_started)
+        record, now = _progress_record(state, window_started)
         if log_file is not None:
             write_progress(log_file, record)
         if writer is not None:
@@ -508,33 +519,24 @@ def _optimizer_step(
             store.discard_gradients()
 
 
-def _checkpoint_step(
-    spec: dict[str, Any],
-    config: TrainConfig,
-    engine: deepspeed.DeepSpeedEngine,
-    store: ShardedEmbedding | None,
-    reader: ShardReader,
-    counters: _Counters,
-    resume_store: CheckpointStore | None,
-    preemption: Preemption | None,
-) -> None:
+def _checkpoint_step(state: _Rank) -> None:
     """Every rank, after a step: save a resume checkpoint when one is due or SIGTERM came.
 
     Raises:
         Preempted: SIGTERM arrived (after the checkpoint is committed).
     """
-    step = counters.step
-    stop = preemption is not None and preemption.agreed()
-    if resume_store is None or not (step % config.checkpoint_every == 0 or stop):
+    spec, step, resume_store = state.spec, state.counters.step, state.resume_store
+    stop = state.preemption is not None and state.preemption.agreed()
+    if resume_store is None or not (step % state.config.checkpoint_every == 0 or stop):
         return
     if step >= int(spec["total_steps"]):
         return  # the final state is saved anyway
     save_resume_checkpoint(
         resume_store,
-        engine,
-        store,
-        reader,
-        {"step": step, "micro_done": counters.micro_done},
+        state.engine,
+        state.store,
+        state.reader,
+        {"step": step, "micro_done": state.counters.micro_done},
         spec["config_fingerprint"],
         spec.get("chaos", {}).get("checkpoint_fault", ""),
     )
@@ -545,13 +547,7 @@ def _checkpoint_step(
         )
 
 
-def _progress_record(
-    config: TrainConfig,
-    counters: _Counters,
-    reader: ShardReader,
-    total_steps: int,
-    window_started: float,
-) -> tuple[dict[str, Any], float]:
+def _progress_record(state: _Rank, window_started: float) -> tuple[dict[str, Any], float]:
     """Every rank, at the same step: the record of the steps since the last one.
 
     Sums the window over the ranks (collectives), updates the counters' final loss and
@@ -560,6 +556,7 @@ def _progress_record(
     Returns:
         (the record, time.monotonic() after the collectives).
     """
+    config, counters = state.config, state.counters
     world_size = dist.get_world_size()
     samples_per_micro = config.batch_size * world_size
     summed = counters.window.clone()
@@ -576,10 +573,10 @@ def _progress_record(
         counters.totals[name] += phase_ms[name] * micro / config.grad_accum_steps
     record = {
         "step": counters.step,
-        "total_steps": total_steps,
+        "total_steps": int(state.spec["total_steps"]),
         "loss": counters.final_loss,
         "samples_per_s": micro * samples_per_micro / max(now - window_started, 1e-9),
-        "epoch": counters.micro_done / reader.steps_per_epoch,
+        "epoch": counters.micro_done / state.reader.steps_per_epoch,
         "step_ms": phase_ms,
         "rss_mb": rss_mb,
     }

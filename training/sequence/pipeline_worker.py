@@ -86,7 +86,7 @@ from training.runtime.rank import (
     write_scalars,
 )
 from training.sequence.registry import sequence_model
-from training.sequence.sasrec import ARCHITECTURE_ARGS, pipeline_state_to_sasrec
+from training.sequence.sasrec import ARCHITECTURE_ARGS
 
 CHECKPOINT_TAG = "final"
 
@@ -557,9 +557,7 @@ def item_feature_index(spec: PipelineSpec) -> dict[str, torch.Tensor]:
 
 def consolidate_pipeline_checkpoint(
     tag_dir: Path,
-    to_model: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = (
-        pipeline_state_to_sasrec
-    ),
+    to_model: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
 ) -> dict[str, torch.Tensor]:
     """The model's state dict from a DeepSpeed pipeline checkpoint's layer files.
 
@@ -570,15 +568,15 @@ def consolidate_pipeline_checkpoint(
 
     Args:
         tag_dir: The checkpoint tag directory, e.g. `checkpoints/final`.
-        to_model: Maps `<layer>.<name>` keys to the model's names
-            (`pipeline_state_to_sasrec` or `bst.bst_pipeline_state_to_model`).
+        to_model: Maps `<layer>.<name>` keys to the model's names (the registry
+            entry's `pipeline_state_to_model`).
 
     Returns:
         Model parameter names -> tensors in their saved dtype (bf16 weights of a bf16
         run; `write_model_weights` stores them as fp32).
 
     Raises:
-        ValueError: No layer files, or layers missing (see `pipeline_state_to_sasrec`).
+        ValueError: No layer files, or layers missing (see `to_model`).
     """
     files = sorted(tag_dir.glob("layer_*-model_states.pt"))
     if not files:
