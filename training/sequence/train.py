@@ -7,14 +7,18 @@ Reads `<sequences_dir>/sequences.json` and `train.parquet` (written by preproces
   arguments plus `"model": "sasrec"` or `"bst"`), `memory_plan.json`, `launch.json`
   (the `PipelineSpec` the ranks read), `launcher.log`;
 - from the ranks (see `training.sequence.pipeline_worker`): `train_log.jsonl`,
-  `checkpoints/final/` (DeepSpeed's pipeline checkpoint: one file per layer and the
+  `tensorboard/` (with `train.tensorboard`), `checkpoints/final/` (DeepSpeed's pipeline checkpoint: one file per layer and the
   optimizer states), `model.safetensors` (the stages consolidated into one fp32
   model) and `train_summary.json`.
 
 Layout: `train.pipeline_stages` stages, `world_size / pipeline_stages` data-parallel
 replicas (ZeRO stage 0 or 1), `train.batch_size` sequences per micro batch and replica,
 `train.grad_accum_steps` micro batches per optimizer step. The number of steps is
-`train.max_steps`, or `train.epochs` passes over the train sequences.
+`train.max_steps`, or `train.epochs` passes over the train sequences. The model's
+pieces (options, activation shape, optimizer betas) come from its
+`training.sequence.registry` entry; the DeepSpeed config from the one builder
+(`training.runtime.deepspeed_config`), so `train.grad_clip`, `train.warmup_steps` and
+`train.weight_decay` apply as they do to the CTR models.
 """
 
 from __future__ import annotations
