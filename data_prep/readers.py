@@ -33,6 +33,7 @@ Memory is bounded by the batch size plus one read block.
 
 import csv
 import json
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Literal, TypeVar
@@ -164,7 +165,7 @@ class _LineStream:
         self._transcode = delimiter.encode() if len(delimiter) > 1 else None
         self._want_header = header
         self._max_line = _BLOCK_BYTES // 4
-        self._out = bytearray()
+        self._pieces: deque[bytes] = deque()  # rewritten bytes, each ending at a line end
         self._carry = b""
         self._long: tuple[bytes, int] | None = None  # (head, length) of a long line in progress
         self._eof = False
@@ -186,14 +187,23 @@ class _LineStream:
         self.closed = True
 
     def read(self, size: int = -1) -> bytes:
-        while (size < 0 or len(self._out) < size) and not self._eof:
+        # Whole rewritten pieces are handed over as they are (a read may return fewer bytes
+        # than asked for; only b"" ends the stream): no copying while holding the GIL.
+        if size < 0:
+            while not self._eof:
+                self._fill()
+            data = b"".join(self._pieces)
+            self._pieces.clear()
+            return data
+        while not self._pieces and not self._eof:
             self._fill()
-        if size < 0 or size >= len(self._out):
-            data, self._out = bytes(self._out), bytearray()
-        else:
-            data = bytes(self._out[:size])
-            del self._out[:size]
-        return data
+        if not self._pieces or size == 0:
+            return b""
+        piece = self._pieces[0]
+        if len(piece) <= size:
+            return self._pieces.popleft()
+        self._pieces[0] = piece[size:]
+        return piece[:size]
 
     def read_header(self) -> bytes | None:
         """Process input until the header line is known; None for an empty file."""
@@ -210,7 +220,7 @@ class _LineStream:
                 return
             head, length = self._long
             self._long = None
-            self._out += self._rewrite(self._set_aside((head, length + end)) + b"\n")
+            self._emit(self._rewrite(self._set_aside((head, length + end)) + b"\n"))
             block = block[end + 1 :]
             if not block:
                 return
@@ -218,16 +228,25 @@ class _LineStream:
             self._eof = True
             piece, self._carry = self._carry, b""
             if piece.strip(b"\r"):
-                self._out += self._rewrite(piece + b"\n")
+                self._emit(self._rewrite(piece + b"\n"))
             return
-        data = self._carry + block
-        cut = data.rfind(b"\n")
-        self._carry = data[cut + 1 :]
+        # The carry never holds a newline: the last line end is the block's.
+        cut = block.rfind(b"\n")
+        complete = None
+        if cut < 0:
+            self._carry += block
+        else:
+            complete = b"".join((self._carry, memoryview(block)[: cut + 1]))  # one copy
+            self._carry = block[cut + 1 :]
         if len(self._carry) > self._max_line:
             self._long = (self._carry[:200], len(self._carry))
             self._carry = b""
-        if cut >= 0:
-            self._out += self._rewrite(data[: cut + 1])
+        if complete is not None:
+            self._emit(self._rewrite(complete))
+
+    def _emit(self, piece: bytes) -> None:
+        if piece:
+            self._pieces.append(piece)
 
     def _rewrite(self, piece: bytes) -> bytes:
         """Rewrite complete lines (``piece`` ends with a newline)."""
