@@ -7,9 +7,10 @@ Reads `<sequences_dir>/sequences.json` and `train.parquet` (written by preproces
   arguments plus `"model": "sasrec"` or `"bst"`), `memory_plan.json`, `launch.json`
   (the `PipelineSpec` the ranks read), `launcher.log`;
 - from the ranks (see `training.sequence.pipeline_worker`): `train_log.jsonl`,
-  `tensorboard/` (with `train.tensorboard`), `checkpoints/final/` (DeepSpeed's pipeline checkpoint: one file per layer and the
-  optimizer states), `model.safetensors` (the stages consolidated into one fp32
-  model) and `train_summary.json`.
+  `tensorboard/` (with `train.tensorboard`), `checkpoints/final/` (DeepSpeed's
+  pipeline checkpoint: one file per layer and the optimizer states),
+  `model.safetensors` (the stages consolidated into one fp32 model) and
+  `train_summary.json`.
 
 Layout: `train.pipeline_stages` stages, `world_size / pipeline_stages` data-parallel
 replicas (ZeRO stage 0 or 1), `train.batch_size` sequences per micro batch and replica,
