@@ -93,9 +93,9 @@ def load_sequence_model(
     found = model_config.get("model") if isinstance(model_config, dict) else None
     wanted = [kind] if kind is not None else sorted(SEQUENCE_MODEL_REGISTRY)
     if found not in wanted:
+        expected = repr(kind) if kind is not None else f"one of {wanted}"
         raise SchemaError(
-            f"{config_path} describes model {found!r}, not "
-            f"{repr(kind) if kind is not None else f'one of {wanted}'}; export CTR models "
+            f"{config_path} describes model {found!r}, not {expected}; export CTR models "
             "with training.ctr.export.export_model, BST with training.sequence.bst_export"
         )
     entry = SEQUENCE_MODEL_REGISTRY[found]
