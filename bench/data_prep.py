@@ -88,8 +88,8 @@ def main() -> None:
         "--repeat",
         type=int,
         default=1,
-        help="Runs per measurement, best kept, at the sizes the peers run at (larger sizes, "
-        "which only measure recforge's memory, run once).",
+        help="Rounds of one run per engine (order rotating), best run kept, at the sizes "
+        "the peers run at (larger sizes, which only measure recforge's memory, run once).",
     )
     parser.add_argument("--child", choices=("recforge", *PEERS), help=argparse.SUPPRESS)
     parser.add_argument("--input", type=Path, help=argparse.SUPPRESS)
@@ -122,9 +122,14 @@ def main() -> None:
         with_peers = rows <= args.peer_max_rows
         engines = ["recforge"] + (peers if with_peers else [])
         repeat = args.repeat if with_peers else 1
-        for engine in engines:
-            entry[engine] = measure(engine, raw, args.workdir / f"out-{engine}", repeat)
-            print(f"{rows:>11,} rows  {engine:<16} {_describe(entry[engine])}", file=sys.stderr)
+        # Rounds of one run per engine, the order rotating each round, so that a burst of
+        # load from other processes on the machine does not fall on one engine's runs only.
+        for round_ in range(repeat):
+            for engine in engines[round_ % len(engines) :] + engines[: round_ % len(engines)]:
+                run = measure(engine, raw, args.workdir / f"out-{engine}")
+                print(f"{rows:>11,} rows  {engine:<16} {_describe(run)}", file=sys.stderr)
+                if engine not in entry or run["seconds"] < entry[engine]["seconds"]:
+                    entry[engine] = run
         results.append(entry)
     summary = summarise(results, args)
     print(json.dumps(summary, indent=None))
@@ -156,23 +161,19 @@ def generate(workdir: Path, rows: int, fmt: str) -> Path:
     return out
 
 
-def measure(engine: str, raw: Path, out: Path, repeat: int) -> dict:
-    """Run one engine in fresh subprocesses; keep the fastest run."""
-    best = None
-    for _ in range(repeat):
-        shutil.rmtree(out, ignore_errors=True)
-        command = [sys.executable, str(Path(__file__).resolve()), "--child", engine]
-        command += ["--input", str(raw), "--out", str(out)]
-        start = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
-        if done.returncode != 0:
-            raise SystemExit(f"{engine} failed on {raw}:\n{done.stderr[-4000:]}")
-        figures = json.loads(done.stdout.strip().splitlines()[-1])
-        figures["process_seconds"] = time.perf_counter() - start
-        if best is None or figures["seconds"] < best["seconds"]:
-            best = figures
+def measure(engine: str, raw: Path, out: Path) -> dict:
+    """Run one engine once in a fresh subprocess; its figures."""
     shutil.rmtree(out, ignore_errors=True)
-    return best
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", engine]
+    command += ["--input", str(raw), "--out", str(out)]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
+    shutil.rmtree(out, ignore_errors=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{engine} failed on {raw}:\n{done.stderr[-4000:]}")
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    figures["process_seconds"] = time.perf_counter() - start
+    return figures
 
 
 def summarise(results: list[dict], args: argparse.Namespace) -> dict:
