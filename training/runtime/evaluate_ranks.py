@@ -155,13 +155,15 @@ def run_evaluate_rank(
     if rank == 0:
         parts: list[Any] = [None] * world_size
         torch_dist.gather_object(part, parts, dst=0)
-        write_by_rename(Path(spec["result_file"]), merge(parts), write)
+        _write_by_rename(Path(spec["result_file"]), merge(parts), write)
     else:
         torch_dist.gather_object(part, None, dst=0)
     torch_dist.destroy_process_group()
 
 
-def write_by_rename(path: Path, result: Result, write: Callable[[IO[bytes], Result], None]) -> None:
+def _write_by_rename(
+    path: Path, result: Result, write: Callable[[IO[bytes], Result], None]
+) -> None:
     """Write `result` to `path` through a `.partial` file and a rename: whole or absent.
 
     Args:
