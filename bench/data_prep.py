@@ -240,11 +240,19 @@ def summarise(results: list[dict], args: argparse.Namespace) -> dict:
 
 def _import_engine(engine: str) -> None:
     if engine == "recforge":
+        import pyarrow as pa
+
         import data_prep.ingest
         import data_prep.preprocess
         import data_prep.shard  # noqa: F401
+
+        # pyarrow imports pandas (when installed, as here for the pandas job) on its first
+        # conversion from Python objects or to numpy: an import like the others, kept out
+        # of the job's time (its memory still counts).
+        pa.array([0.0]).to_numpy()
     elif engine == "pandas":
         import pandas  # noqa: F401
+        import pyarrow.parquet  # noqa: F401  (to_parquet's engine, imported on first use)
     else:
         import polars  # noqa: F401
     import data_prep.preprocess  # noqa: F401  (the split ranks)
