@@ -19,7 +19,8 @@ The model scores in fp32. SASRec: the user's state is the hidden state at the la
 position of its (left-padded) history, and an item's score its dot product with the
 tied item table. BST: each candidate is appended to the history and scored by its own
 Transformer pass, so only protocol (a) runs (full ranking would take one pass per item
-and user). Ties are pessimistic (see `training.sequence.ranking`).
+and user). Each model's scorer and whether it ranks fully come from its entry in
+`training.sequence.registry`. Ties are pessimistic (see `training.sequence.ranking`).
 
 The rows (in-vocabulary targets, in file order) are ranked in blocks of
 `evaluate.ranking_block_users`: a block's histories are encoded and its candidates
