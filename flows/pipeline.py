@@ -1,4 +1,20 @@
-"""The recforge pipeline flow: six stages from raw logs to an exported model."""
+"""The recforge pipeline flow: six stages from raw logs to an exported model.
+
+Where each stage's code is: the flow calls one task per stage, and each task calls its
+library entry (CTR models under `training.ctr`, sequence models under `training.sequence`,
+picked by `train.model`; `training.sequence.registry` maps a sequence model's name to its
+pieces):
+
+| stage | task | library entry |
+|---|---|---|
+| ingest | `tasks.ingest.ingest_task` | `data_prep.ingest.ingest_logs` (`data_prep.ingest.ingest_file` per file) |
+| preprocess | `tasks.preprocess.preprocess_task` | `data_prep.preprocess.preprocess_events` |
+| shard | `tasks.shard.shard_task` | `data_prep.shard.write_shards` |
+| train | `tasks.train.train_task` | `training.ctr.train.train_model`, `training.sequence.train.train_sequence_model` |
+| evaluate | `tasks.evaluate.evaluate_task` | `training.ctr.evaluate.evaluate_model`, `training.sequence.evaluate.evaluate_sequence_model` |
+| export | `tasks.export.export_task` | `training.ctr.export.export_model`, `training.sequence.export.export_sequence_model`, `training.sequence.bst_export.export_bst_model` |
+| bless, promote | `tasks.promote.bless_task`, `tasks.promote.promote_task` | `training.blessing.decide` |
+"""  # noqa: E501
 
 import time
 import uuid
@@ -20,7 +36,7 @@ from tasks.preprocess import preprocess_task
 from tasks.promote import bless_task, promote_task
 from tasks.report import publish_run_artifacts
 from tasks.shard import shard_task
-from tasks.store import ArtifactStore
+from tasks.store import ArtifactStore, StoreUnreachable, is_remote
 from tasks.train import train_task
 
 
@@ -28,7 +44,10 @@ class RunParams(BaseModel):
     """Parameters of a pipeline run (also the Prefect UI's form for deployments)."""
 
     config: str = Field(description="Pipeline YAML, e.g. configs/demo.yaml.")
-    root: str = Field(default="artifacts", description="Artifact store root directory.")
+    root: str = Field(
+        default="artifacts",
+        description="Artifact store root: a directory, or an fsspec URL such as s3://bucket/prefix.",
+    )
     from_stage: Stage | None = Field(
         default=None, description="Rerun this stage and every later one; reuse earlier outputs."
     )
@@ -105,14 +124,15 @@ def pipeline(
 
     Args:
         config: Pipeline YAML, e.g. configs/demo.yaml.
-        root: Artifact store root directory.
+        root: Artifact store root: a directory, or an fsspec URL (s3://bucket/prefix).
         from_stage: Rerun this stage and every later one; reuse earlier outputs.
         only: Rerun just these stages.
         force: Rerun these even when cached.
         overrides: section.key=value config overrides.
 
     Returns:
-        The path of the run record, ``<root>/runs/<run_id>/summary.json``.
+        The path (URL for a remote root) of the run record,
+        ``<root>/runs/<run_id>/summary.json``.
     """
     params = RunParams(
         config=config,
@@ -191,6 +211,9 @@ def run_pipeline(params: RunParams) -> str:
     if error is not None:
         failed_at = "config" if config is None else "plan" if not plans else None
         failed_at = failed_at or next((s for s in STAGES if s not in outputs), "gate")
+    if isinstance(error, StoreUnreachable):
+        # There is no store to write a run record into; the error names the URL.
+        raise error
     record = build_run_record(run_id, params, outputs, error, failed_at)
     record["promotion"] = promotion
     path = ArtifactStore(root).write_run_record(run_id, record)
@@ -356,7 +379,7 @@ def deployments(
 
     Args:
         config: Pipeline YAML (made absolute: runs start in the serving process's cwd).
-        root: Artifact store root (made absolute).
+        root: Artifact store root (a local one made absolute; a URL as it is).
         name: Deployment name, e.g. the config's name.
         cron: The pipeline's cron schedule (None: no schedule).
         rerun_cron: The rerun flow's cron schedule (None: it runs only when triggered,
@@ -368,7 +391,7 @@ def deployments(
         raise ConfigError("a rerun schedule needs the stage it reruns: pass --rerun-stage")
     defaults = {
         "config": str(Path(config).absolute()),
-        "root": str(Path(root).absolute()),
+        "root": root if is_remote(root) else str(Path(root).absolute()),
         "overrides": list(overrides or []),
     }
     common = {"tags": ["recforge"], "enforce_parameter_schema": True}

@@ -96,3 +96,38 @@ def test_the_layer_check_sees_a_cross_family_import(tmp_path):
     found = training_imports(offending)
     assert [training_part(m) for m, _ in found] == ["ctr", "sequence"]
     assert found[0][1] == ["_write"]
+
+
+def test_the_flow_names_every_stages_task_and_library_entry():
+    """flows/pipeline.py's stage table: one hop from the flow to any stage's code."""
+    import importlib
+    import re
+
+    doc = ast.get_docstring(ast.parse((REPO / "flows" / "pipeline.py").read_text()))
+    rows = [line for line in doc.splitlines() if line.startswith("| ") and "`" in line]
+    stages = {row.split("|")[1].strip() for row in rows}
+    assert {"ingest", "preprocess", "shard", "train", "evaluate", "export"} <= stages
+    names = [n for row in rows for n in re.findall(r"`([a-z_]+(?:\.[A-Za-z_]+)+)`", row)]
+    for name in names:
+        module, _, attribute = name.rpartition(".")
+        assert callable(getattr(importlib.import_module(module), attribute)), name
+    # Every library entry a task calls is named, so none can be renamed without the table.
+    for task in ("ingest", "preprocess", "shard", "train", "evaluate", "export"):
+        tree = ast.parse((REPO / "tasks" / f"{task}.py").read_text())
+        called = {
+            n.func.id
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        }
+        imported = {
+            f"{node.module}.{alias.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in ("data_prep", "training")
+            for alias in node.names
+            if alias.name in called
+            and alias.name.split("_")[0]
+            in ("ingest", "preprocess", "write", "train", "evaluate", "export")
+        }
+        assert imported <= set(names), (task, imported - set(names))

@@ -13,7 +13,6 @@ U = embedding rows the batch reads.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from data_prep.errors import InputNotFoundError
 from training.config import TrainConfig
 from training.ctr.data import DatasetMeta
 from training.ctr.embedding import init_rows, table_offsets
-from training.runtime.files import MODEL_CONFIG_FILE, WEIGHTS_FILE
+from training.packaging import read_model_files
 
 _MODEL_ARGS = (
     "table_sizes",
@@ -348,12 +346,7 @@ def load_model(train_dir: Path) -> tuple[CTRModel, dict[str, Any]]:
     Raises:
         InputNotFoundError: One of the two files is missing.
     """
-    config_path = Path(train_dir) / MODEL_CONFIG_FILE
-    weights_path = Path(train_dir) / WEIGHTS_FILE
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise InputNotFoundError(f"{path} does not exist; run the train stage first")
-    model_config = json.loads(config_path.read_text())
+    model_config, _, weights_path = read_model_files(train_dir)
     model = build_model(model_config)
     model.load_state_dict(load_file(weights_path))
     return model.float().eval(), model_config
