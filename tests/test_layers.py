@@ -131,3 +131,18 @@ def test_the_flow_names_every_stages_task_and_library_entry():
             in ("ingest", "preprocess", "write", "train", "evaluate", "export")
         }
         assert imported <= set(names), (task, imported - set(names))
+
+
+def test_the_readme_layout_names_every_training_module():
+    """README's "How it is built" lists each training folder's modules as they are."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## How it is built", 1)[1].split("```")[1]
+    entries = re.split(r"\n  (?=[a-z]+[/.])", block.split("\ntraining/", 1)[1])[1:]
+    listed = {entry.split()[0]: set(re.findall(r"\b([a-z_]+\.py)\b", entry)) for entry in entries}
+    for folder in ("runtime", "ctr", "sequence"):
+        files = {p.name for p in (REPO / "training" / folder).glob("*.py")} - {"__init__.py"}
+        assert listed[f"{folder}/"] == files, folder
+    top = {p.name for p in (REPO / "training").glob("*.py")} - {"__init__.py"}
+    assert top <= set(listed)
