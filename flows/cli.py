@@ -32,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the pipeline; prints the run record path last")
     run.add_argument("config", help="pipeline YAML, e.g. configs/demo.yaml")
     run.add_argument(
-        "--root", default="artifacts", help="artifact store root (default ./artifacts)"
+        "--root",
+        default="artifacts",
+        help="artifact store root: a directory (default ./artifacts) or an fsspec URL, "
+        "e.g. s3://bucket/prefix (needs pip install -e '.[s3]')",
     )
     selection = run.add_mutually_exclusive_group()
     selection.add_argument("--from", dest="from_stage", choices=STAGE_NAMES, help="rerun from here")
@@ -180,7 +183,9 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as err:  # a failed flow: one line, not a traceback
         print(f"recforge: error: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
-    record = json.loads(Path(path).read_text())
+    from tasks.store import read_text
+
+    record = json.loads(read_text(path) or "{}")
     metrics = ", ".join(
         f"{k}={v:.4f}" for k, v in record["metrics"].items() if isinstance(v, float)
     )
@@ -199,7 +204,7 @@ def _models(args: argparse.Namespace) -> int:
     if args.action == "list":
         versions = registry.versions()
         if not versions:
-            print(f"no versions of {args.model!r} under {registry.root}")
+            print(f"no versions of {args.model!r} under {registry.url}")
             return 0
         for version in versions:
             blessed = {True: "blessed", False: "not blessed", None: "-"}[version.blessed]
@@ -210,7 +215,7 @@ def _models(args: argparse.Namespace) -> int:
         name = args.version or registry.champion()
         if name is None:
             raise InputNotFoundError(f"{args.model!r} has no champion yet; name a version")
-        path = registry.path(name)
+        path = registry.location(name)
         info = {
             "version": name,
             "path": str(path),

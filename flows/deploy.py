@@ -16,6 +16,7 @@ import prefect
 import yaml
 
 from data_prep.errors import ConfigError
+from tasks.store import is_remote
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRYPOINTS = {"pipeline": "flows/pipeline.py:pipeline", "rerun": "flows/pipeline.py:rerun"}
@@ -36,7 +37,7 @@ def prefect_yaml(
         raise ConfigError("a rerun schedule needs the stage it reruns: pass --rerun-stage")
     defaults = {
         "config": str(Path(config).absolute()),
-        "root": str(Path(root).absolute()),
+        "root": root if is_remote(root) else str(Path(root).absolute()),
         "overrides": list(overrides or []),
     }
 

@@ -21,7 +21,13 @@ from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
 from data_prep.errors import DeterministicError, InputNotFoundError, TransientError
-from tasks.store import ArtifactStore, code_version, fingerprint, module_closure
+from tasks.store import (
+    ArtifactStore,
+    code_version,
+    fingerprint,
+    materialize,
+    module_closure,
+)
 
 Stage = Literal["ingest", "preprocess", "shard", "train", "evaluate", "export"]
 STAGES: tuple[Stage, ...] = ("ingest", "preprocess", "shard", "train", "evaluate", "export")
@@ -109,7 +115,7 @@ def run_stage(
     """
     logger = get_run_logger()
     store = ArtifactStore(root)
-    final = store.output_dir(stage, fp)
+    final = store.output_url(stage, fp)
     if mode == "skip":
         return StageOutput(stage=stage, status="skipped", fingerprint=fp)
     if mode in ("auto", "reuse"):
@@ -120,7 +126,7 @@ def run_stage(
                 stage=stage,
                 status="cached",
                 fingerprint=fp,
-                output=str(final),
+                output=final,
                 meta=manifest["meta"],
             )
         if mode == "reuse":
@@ -145,10 +151,24 @@ def run_stage(
         stage=stage,
         status="ran",
         fingerprint=fp,
-        output=str(final),
+        output=final,
         seconds=round(time.perf_counter() - started, 3),
         meta=meta,
     )
+
+
+def local_dir(output: StageOutput) -> Path:
+    """A stage output as a local directory, for the libraries that read it.
+
+    With a local root that is the output itself. With a remote root (`s3://...`) it is
+    the output's materialized copy under the local cache, downloaded once per machine
+    and checked file by file against the output's manifest (sha256).
+
+    Raises:
+        CorruptOutput: An object differs from the manifest; the message names it.
+        InputNotFoundError: The output is not published (deleted since it was made).
+    """
+    return materialize(output.output)
 
 
 def as_state(output: StageOutput) -> StageOutput | State:

@@ -25,7 +25,7 @@ from data_prep.ingest import (
 from data_prep.schema import SchemaConfig
 from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
 from tasks.progress import terminal_progress
-from tasks.store import ArtifactStore
+from tasks.store import ArtifactStore, is_remote, join_url, read_text, remote_manifest
 
 STATS_FILE = "stats.json"
 
@@ -80,7 +80,7 @@ def ingest_task(
         }
 
     output = run_stage("ingest", fp, mode, root, produce)
-    store.record_latest(pipeline, "ingest", Path(output.output))
+    store.record_latest(pipeline, "ingest", output.output)
     meta = output.meta
     rows = [{"reason": "(clean)", "rows": meta["good_rows"]}] + [
         {"reason": reason, "rows": count} for reason, count in meta["reasons"].items()
@@ -134,14 +134,26 @@ def ingest_in_parallel(config: IngestConfig, schema: SchemaConfig, out_dir: Path
 
 
 def _check_drift(
-    previous: Path | None, out_dir: Path, schema: SchemaConfig, drift: DriftConfig
+    previous: str | None, out_dir: Path, schema: SchemaConfig, drift: DriftConfig
 ) -> list[dict]:
-    """Write this run's stats.json; return findings against the previous output's."""
+    """Write this run's stats.json; return findings against the previous output's.
+
+    Args:
+        previous: The previous ingest output (a path, or a URL for a remote root).
+        out_dir: This run's staging directory.
+        schema: The raw columns.
+        drift: The drift checks.
+    """
     if drift.policy == "off":
         return []
     stats = compute_stats(out_dir / "events", schema, drift.top_values)
     (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=1))
-    if previous is None or not (previous / STATS_FILE).exists():
+    if previous is None:
         return []
-    old = json.loads((previous / STATS_FILE).read_text())
-    return compare_stats(old, stats, drift).findings
+    # Only the small stats file is read, not the previous output's events.
+    manifest = remote_manifest(previous, strict=False) if is_remote(previous) else None
+    data = manifest.get("data", "") if manifest else ""
+    text = read_text(join_url(previous, data, STATS_FILE))
+    if text is None:
+        return []
+    return compare_stats(json.loads(text), stats, drift).findings

@@ -24,7 +24,7 @@ from data_prep.errors import InputNotFoundError
 from data_prep.ingest import describe_inputs
 from tasks import evaluate, ingest, preprocess
 from tasks.common import STAGES, Mode, Stage, StageOutput, stage_modules, task_options
-from tasks.store import MANIFEST, ArtifactStore, code_version, fingerprint, library_versions
+from tasks.store import ArtifactStore, code_version, fingerprint, library_versions
 
 Action = Literal["run", "cached", "skip", "missing"]
 PLAN_FILE = "plan.json"
@@ -123,7 +123,7 @@ def plan_run(config: Any, modes: dict[Stage, Mode], root: str) -> list[StagePlan
         fps[stage] = fingerprint(
             stage, basis.section, upstream, code_version(list(basis.modules), _ROOT)
         )
-        published = (store.output_dir(stage, fps[stage]) / MANIFEST).is_file()
+        published = store.is_published(stage, fps[stage])
         changes = _changes(previous.get(stage), _basis_record(basis, fps, stage))
         mode = modes[stage]
         if mode == "skip":
@@ -133,7 +133,7 @@ def plan_run(config: Any, modes: dict[Stage, Mode], root: str) -> list[StagePlan
         elif published:
             action = "cached"
             reason = "upstream of the selected stages" if mode == "reuse" else "unchanged"
-            reason += f"; output {store.output_dir(stage, fps[stage])} exists"
+            reason += f"; output {store.output_url(stage, fps[stage])} exists"
         elif mode == "reuse":
             action, reason = "missing", "upstream of the selected stages, but never published"
         elif stage not in previous:
@@ -183,7 +183,7 @@ def plan_markdown(pipeline: str, plans: list[StagePlan]) -> str:
 
 def record_bases(
     config: Any, root: str, plans: list[StagePlan], outputs: dict[str, StageOutput]
-) -> Path:
+) -> Path | str:
     """Remember what each stage's published output was made from, for the next plan.
 
     Only stages whose output now exists for the planned fingerprint (ran or cached) are
@@ -274,7 +274,15 @@ def _short(value: Any) -> str:
 
 @task(name="plan", task_run_name="plan", **task_options(retries=0))
 def plan_task(config: Any, modes: dict[Stage, Mode], root: str) -> list[StagePlan]:
-    """Plan the run (`plan_run`) and show it as the `plan` Markdown artifact."""
+    """Plan the run (`plan_run`) and show it as the `plan` Markdown artifact.
+
+    A remote root is checked first, once: an unreachable bucket or missing credentials
+    fail here, naming the URL, before any stage runs (and the plan is never retried).
+
+    Raises:
+        StoreUnreachable: The artifact store's URL cannot be reached.
+    """
+    ArtifactStore(root).check_reachable()
     plans = plan_run(config, modes, root)
     markdown = plan_markdown(config.name, plans)
     create_markdown_artifact(

@@ -11,6 +11,7 @@ from tasks.common import (
     Mode,
     StageOutput,
     as_state,
+    local_dir,
     prefect_file_mapper,
     run_stage,
     stage_fingerprint,
@@ -36,7 +37,7 @@ def preprocess_task(
             result = preprocess_events(
                 config,
                 schema,
-                Path(ingest.output) / "events",
+                local_dir(ingest) / "events",
                 out_dir,
                 on_progress=advance,
                 map_files=prefect_file_mapper("preprocess"),

@@ -22,7 +22,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from data_prep.errors import DeterministicError
-from tasks.common import StageOutput
+from tasks.common import StageOutput, local_dir
 from tasks.registry import Registry
 from tasks.store import file_sha256
 from training.blessing import BlessConfig, decide, thresholds_for
@@ -49,7 +49,7 @@ def champion_metrics_on(
         (another fitted transform: its ids mean other values), with the reason.
     """
     package = registry.path(champion)
-    ours = Path(preprocess.output) / TRANSFORM
+    ours = local_dir(preprocess) / TRANSFORM
     if not (package / TRANSFORM).is_file() or file_sha256(package / TRANSFORM) != file_sha256(ours):
         return None, (
             f"champion {champion} was trained with another fitted transform, so it cannot "
@@ -67,7 +67,7 @@ def champion_metrics_on(
     with tempfile.TemporaryDirectory(prefix="recforge-champion-") as scratch:
         try:
             if model_kind in SEQUENCE_MODELS:
-                sequences = Path(preprocess.output) / "sequences"
+                sequences = local_dir(preprocess) / "sequences"
                 result = evaluate_sequence_model(config, package, sequences, Path(scratch))
             else:
                 # The package's transform is ours (checked above): slice keys match the
@@ -75,7 +75,7 @@ def champion_metrics_on(
                 result = evaluate_model(
                     config,
                     package,
-                    Path(shard.output),
+                    local_dir(shard),
                     Path(scratch),
                     package / TRANSFORM,
                     env=dict(os.environ),  # for the launcher, when evaluate.workers > 1

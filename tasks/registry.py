@@ -7,9 +7,13 @@
 <root>/registry/<model>/decisions/        the blessing decision of every candidate
 ```
 
-The pointer is one JSON file replaced by rename: readers see the old or the new
-champion, never a torn one. It moves only through `promote` (which verifies the
-package first) and `rollback`; a failure before the rename leaves it where it was.
+The root may be local or an fsspec URL (`s3://bucket/prefix`, see tasks/store.py).
+The pointer is one JSON object replaced whole (a rename locally, one PUT remotely):
+readers see the old or the new champion, never a torn one. It moves only through
+`promote` (which verifies the package first) and `rollback`, by a conditional write
+against the version that was read (S3 `If-Match` / `If-None-Match: *`; locally an
+exclusive lock around read-compare-rename): of two concurrent promotions exactly one
+wins, the other fails with `ChampionMoved` and changes nothing.
 """
 
 from __future__ import annotations
@@ -20,13 +24,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data_prep.errors import ConfigError, InputNotFoundError
-from tasks.store import MANIFEST, CorruptOutput, _write_json_atomic, check_output_dir
+from data_prep.errors import ConfigError, DeterministicError, InputNotFoundError
+from tasks.store import (
+    MANIFEST,
+    ArtifactStore,
+    ConcurrentUpdate,
+    CorruptOutput,
+    check_output_dir,
+    filesystem,
+    join_url,
+    materialize,
+    read_object,
+    read_text,
+    remote_manifest,
+    write_json,
+    write_json_if,
+    write_text_if,
+)
 
 CHAMPION = "CHAMPION"
 HISTORY = "history.jsonl"
 DECISIONS = "decisions"
 INFRA_REPORT = "infra_validation.json"
+# A history append that loses a race reads the file again and retries, this many times.
+HISTORY_ATTEMPTS = 5
+
+
+class ChampionMoved(DeterministicError):
+    """Another promotion or rollback moved CHAMPION between this one's read and write."""
 
 
 @dataclass(frozen=True)
@@ -34,86 +59,128 @@ class Version:
     """One registered package."""
 
     name: str
-    path: Path
+    path: Path | str  # a URL for a remote root
     created: str
     champion: bool
     blessed: bool | None  # None: no decision recorded (e.g. registered before the gate)
 
 
 class Registry:
-    """The versions and champion of one model name under an artifact root."""
+    """The versions and champion of one model name under an artifact root.
+
+    Attributes:
+        url: The registry of this model: a directory, or a URL for a remote root.
+        root: Its local directory (for a remote root, the local cache of it).
+    """
 
     def __init__(self, root: str | Path, model_name: str) -> None:
-        self.root = Path(root).absolute() / "registry" / model_name
+        store = ArtifactStore(root)
+        self.remote = store.remote
+        self.url = store.location("registry", model_name)
+        self.root = store.root / "registry" / model_name
         self.model_name = model_name
+
+    def _at(self, *parts: str) -> str:
+        return join_url(self.url, *parts)
 
     def versions(self) -> list[Version]:
         """Registered versions, oldest first."""
-        if not self.root.is_dir():
-            return []
         champion = self.champion()
         found = []
-        for path in self.root.iterdir():
-            if path.name.startswith(".") or not (path / MANIFEST).is_file():
-                continue
-            manifest = json.loads((path / MANIFEST).read_text())
-            decision = self.decision(path.name)
+        for name, manifest in self._manifests():
+            decision = self.decision(name)
             found.append(
                 Version(
-                    name=path.name,
-                    path=path,
+                    name=name,
+                    path=self._at(name) if self.remote else self.root / name,
                     created=str(manifest.get("created", "")),
-                    champion=path.name == champion,
+                    champion=name == champion,
                     blessed=None if decision is None else bool(decision["blessed"]),
                 )
             )
         return sorted(found, key=lambda v: (v.created, v.name))
 
-    def path(self, version: str) -> Path:
-        """The package directory of `version`.
+    def _manifests(self) -> list[tuple[str, dict[str, Any]]]:
+        """(version, package manifest) of every published version, in no order."""
+        if not self.remote:
+            if not self.root.is_dir():
+                return []
+            return [
+                (path.name, json.loads((path / MANIFEST).read_text()))
+                for path in self.root.iterdir()
+                if not path.name.startswith(".") and (path / MANIFEST).is_file()
+            ]
+        fs, path = filesystem(self.url)
+        fs.invalidate_cache(path)
+        if not fs.exists(path):
+            return []
+        found = []
+        for entry in fs.ls(path, detail=True):
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if entry["type"] != "directory" or name.startswith(".") or name == DECISIONS:
+                continue
+            manifest = remote_manifest(self._at(name), strict=False)
+            if manifest is not None:
+                found.append((name, manifest))
+        return found
+
+    def location(self, version: str) -> Path | str:
+        """Where the package of `version` is published (a URL for a remote root).
 
         Raises:
             InputNotFoundError: No such version.
         """
-        path = self.root / version
-        if not (path / MANIFEST).is_file():
+        published = (
+            remote_manifest(self._at(version), strict=False) is not None
+            if self.remote
+            else (self.root / version / MANIFEST).is_file()
+        )
+        if not published:
             known = ", ".join(v.name for v in self.versions()) or "none"
             raise InputNotFoundError(
-                f"model {self.model_name!r} has no version {version!r} under {self.root} "
+                f"model {self.model_name!r} has no version {version!r} under {self.url} "
                 f"(registered: {known}); `recforge models list` shows them"
             )
-        return path
+        return self._at(version) if self.remote else self.root / version
+
+    def path(self, version: str) -> Path:
+        """The package directory of `version`, local (materialized from a remote root).
+
+        Raises:
+            InputNotFoundError: No such version.
+            CorruptOutput: A remote package's object differs from its manifest.
+        """
+        return materialize(self.location(version))
 
     def champion(self) -> str | None:
         """The champion's version, or None before the first promotion."""
-        pointer = self.root / CHAMPION
-        if not pointer.is_file():
-            return None
-        return str(json.loads(pointer.read_text())["version"])
+        record = self.champion_record()
+        return None if record is None else str(record["version"])
 
     def champion_record(self) -> dict[str, Any] | None:
-        pointer = self.root / CHAMPION
-        return json.loads(pointer.read_text()) if pointer.is_file() else None
+        text = read_text(self._at(CHAMPION))
+        return None if text is None else json.loads(text)
 
     def history(self) -> list[dict[str, Any]]:
         """Every pointer move, oldest first."""
-        path = self.root / HISTORY
-        if not path.is_file():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        text = read_text(self._at(HISTORY)) or ""
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
 
-    def record_decision(self, version: str, decision: dict[str, Any]) -> Path:
+    def record_decision(self, version: str, decision: dict[str, Any]) -> Path | str:
         """Keep the blessing decision of `version` (the latest one wins)."""
-        path = self.root / DECISIONS / f"{version}.json"
-        _write_json_atomic(path, {"version": version, "decided_at": _now(), **decision})
-        return path
+        location = self._at(DECISIONS, f"{version}.json")
+        write_json(location, {"version": version, "decided_at": _now(), **decision})
+        return location if self.remote else Path(location)
 
     def decision(self, version: str) -> dict[str, Any] | None:
-        path = self.root / DECISIONS / f"{version}.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        text = read_text(self._at(DECISIONS, f"{version}.json"))
+        return None if text is None else json.loads(text)
 
     def verify(self, version: str) -> Path:
         """The package of `version`, checked against its manifest and infra report.
+
+        Returns:
+            The package's local directory (materialized from a remote root).
 
         Raises:
             InputNotFoundError: No such version.
@@ -124,37 +191,41 @@ class Registry:
         problem = check_output_dir(path)
         if problem:
             raise CorruptOutput(
-                f"registry package {path} does not match its manifest: {problem}; "
-                "export it again (`recforge run CONFIG --force export`)"
+                f"registry package {self._at(version)} does not match its manifest: "
+                f"{problem}; export it again (`recforge run CONFIG --force export`)"
             )
         report_path = path / INFRA_REPORT
         if (path / "model.onnx").is_file() and (path / "score.py").is_file():
             # CTR packages score raw records: they must have passed infra validation.
             if not report_path.is_file():
                 raise ConfigError(
-                    f"{path} has no {INFRA_REPORT}: the package was never loaded and "
-                    "scored in a fresh process; export it again"
+                    f"{self._at(version)} has no {INFRA_REPORT}: the package was never "
+                    "loaded and scored in a fresh process; export it again"
                 )
             report = json.loads(report_path.read_text())
             if not report.get("ok", True) or not report.get("rows"):
-                raise ConfigError(f"{path}: infra validation failed: {report}")
+                raise ConfigError(f"{self._at(version)}: infra validation failed: {report}")
         return path
 
     def promote(self, version: str, reason: str) -> dict[str, Any]:
-        """Make `version` the champion (after verifying it), atomically.
+        """Make `version` the champion (after verifying it), by one conditional write.
 
         Returns:
             The new CHAMPION record.
+
+        Raises:
+            ChampionMoved: Another promotion moved CHAMPION since it was read here;
+                nothing changed.
         """
+        current, tag = self._read_champion()
         self.verify(version)
-        previous = self.champion()
         record = {
             "version": version,
             "promoted_at": _now(),
             "reason": reason,
-            "previous": previous,
+            "previous": None if current is None else current["version"],
         }
-        _write_json_atomic(self.root / CHAMPION, record)  # the move itself
+        self._move(record, tag)
         self._append_history({"event": "promote", **record})
         return record
 
@@ -163,8 +234,9 @@ class Registry:
 
         Raises:
             InputNotFoundError: There is no earlier champion to go back to.
+            ChampionMoved: Another promotion moved CHAMPION meanwhile; nothing changed.
         """
-        current = self.champion_record()
+        current, tag = self._read_champion()
         if current is None or not current.get("previous"):
             raise InputNotFoundError(
                 f"model {self.model_name!r} has no earlier champion to roll back to "
@@ -180,14 +252,47 @@ class Registry:
             "reason": f"{reason} (from {current['version']})",
             "previous": before[-1].get("previous") if before else None,
         }
-        _write_json_atomic(self.root / CHAMPION, record)
+        self._move(record, tag)
         self._append_history({"event": "rollback", **record})
         return record
 
+    def _read_champion(self) -> tuple[dict[str, Any] | None, str | None]:
+        """The CHAMPION record and the version tag a conditional write compares."""
+        text, tag = read_object(self._at(CHAMPION))
+        return (None if text is None else json.loads(text)), tag
+
+    def _move(self, record: dict[str, Any], expected: str | None) -> None:
+        """Write CHAMPION if it is still the version read as `expected` (the move itself)."""
+        try:
+            write_json_if(self._at(CHAMPION), record, expected)
+        except ConcurrentUpdate as err:
+            now = self.champion()
+            raise ChampionMoved(
+                f"{self._at(CHAMPION)} moved to {now} while {record['version']} was being "
+                "promoted (another promotion or rollback won); nothing was changed. Check "
+                f"`recforge models list --model {self.model_name}` and promote again if "
+                f"{record['version']} should still replace it"
+            ) from err
+
     def _append_history(self, entry: dict[str, Any]) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / HISTORY, "a") as handle:
-            handle.write(json.dumps(entry, sort_keys=True) + "\n")
+        line = json.dumps(entry, sort_keys=True) + "\n"
+        if not self.remote:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(self.root / HISTORY, "a") as handle:
+                handle.write(line)
+            return
+        # Object storage cannot append: rewrite the file conditionally, again on a race.
+        for _ in range(HISTORY_ATTEMPTS):
+            text, tag = read_object(self._at(HISTORY))
+            try:
+                write_text_if(self._at(HISTORY), (text or "") + line, tag)
+                return
+            except ConcurrentUpdate:
+                continue
+        raise ChampionMoved(
+            f"{self._at(HISTORY)} kept changing during {HISTORY_ATTEMPTS} attempts to record "
+            f"{entry}; CHAMPION has moved, but this event is missing from the history"
+        )
 
 
 def _now() -> str:

@@ -6,7 +6,15 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from data_prep.shard import ShardConfig, write_shards
-from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
+from tasks.common import (
+    Mode,
+    StageOutput,
+    as_state,
+    local_dir,
+    run_stage,
+    stage_fingerprint,
+    task_options,
+)
 from tasks.progress import terminal_progress
 
 
@@ -18,7 +26,7 @@ def shard_task(config: ShardConfig, preprocess: StageOutput, root: str, mode: Mo
     def produce(out_dir: Path) -> dict:
         total = sum(preprocess.meta.get("rows", {}).values()) or None
         with terminal_progress("shard rows", total) as advance:
-            result = write_shards(config, Path(preprocess.output), out_dir, on_progress=advance)
+            result = write_shards(config, local_dir(preprocess), out_dir, on_progress=advance)
         return {"rows": result.rows, "shards": result.shards}
 
     output = run_stage("shard", fp, mode, root, produce)
