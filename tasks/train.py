@@ -1,8 +1,21 @@
-"""Prefect task for the train stage: launches DeepSpeed ranks as separate processes."""
+"""Prefect task for the train stage: launches DeepSpeed ranks as separate processes.
 
+The ranks keep their crash-safe resume checkpoints in a local directory per
+fingerprint (`training.runtime.checkpoint`). With a remote artifact root
+(`s3://...`) that directory is mirrored to ``<root>/checkpoints/train/<fp>/``
+(`CheckpointMirror`): before the ranks start, the newest remote checkpoint that
+verifies is downloaded (so a retry on another machine resumes); while they run,
+each newly committed checkpoint is uploaded, files first and its manifest last. A
+remote checkpoint is committed when its manifest object exists; no rename is needed.
+"""
+
+import json
 import logging
 import os
 import shutil
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -14,11 +27,28 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
+from tasks.common import (
+    Mode,
+    StageOutput,
+    as_state,
+    local_dir,
+    run_stage,
+    stage_fingerprint,
+    task_options,
+)
 from tasks.progress import format_resume_line, train_progress
-from tasks.store import ArtifactStore
+from tasks.store import (
+    ArtifactStore,
+    download_files,
+    filesystem,
+    join_url,
+    read_text,
+    remove_tree,
+    upload_files,
+)
 from training.config import SEQUENCE_MODELS, TrainConfig
 from training.ctr.train import train_model
+from training.runtime.checkpoint import MANIFEST, CheckpointStore, parse_step
 from training.runtime.launcher import (
     ERROR_PREFIX,
     RESUME_PREFIX,
@@ -28,6 +58,152 @@ from training.runtime.launcher import (
 )
 from training.runtime.memory import machine_memory_bytes
 from training.sequence.train import train_sequence_model
+
+# How often the mirror looks for newly committed checkpoints to upload.
+MIRROR_EVERY_S = 1.0
+
+
+class CheckpointMirror:
+    """Resume checkpoints of one training run, mirrored between a local root and a URL.
+
+    Args:
+        local_root: The ranks' checkpoint directory (`CheckpointStore` layout).
+        url: Where the checkpoints go, ``<root>/checkpoints/train/<fp>``.
+        keep: How many committed checkpoints the remote side keeps.
+        log: Receives one line per download, upload or skipped checkpoint.
+    """
+
+    def __init__(self, local_root: Path, url: str, keep: int, log: Callable[[str], None]) -> None:
+        self.local_root = local_root
+        self.url = url
+        self.keep = keep
+        self._log = log
+        self._uploaded: set[int] = set()
+
+    def pull(self) -> int | None:
+        """Download the newest remote checkpoint that verifies, unless one as new is local.
+
+        Each candidate is downloaded next to the local ones and verified (sizes and
+        sha256 against its manifest) before it is renamed into place; one that does not
+        verify is logged and the next older tried.
+
+        Returns:
+            The step downloaded, or None (nothing remote, or nothing newer).
+        """
+        local = max(self._local_steps(), default=-1)
+        for step in sorted(self._remote_steps(committed=True), reverse=True):
+            if step <= local:
+                return None
+            name = Path(self._remote(step)).name
+            scratch = self.local_root / ".staging" / "pull" / name
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            manifest = json.loads(read_text(join_url(self._remote(step), MANIFEST)) or "{}")
+            download_files(self._remote(step), list(manifest.get("files", {})), scratch)
+            (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            problem = CheckpointStore(self.local_root).verify(scratch)
+            if problem is not None:
+                self._log(f"checkpoint {self._remote(step)} does not verify ({problem}); skipped")
+                shutil.rmtree(scratch)
+                continue
+            os.replace(scratch, self.local_root / name)
+            self._uploaded.add(step)
+            self._log(f"resume checkpoint of step {step} downloaded from {self._remote(step)}")
+            return step
+        return None
+
+    def push(self) -> None:
+        """Upload every committed local checkpoint not uploaded yet, then prune the remote.
+
+        Files go first, the manifest last: a remote checkpoint without its manifest is
+        an unfinished upload, never a resume point.
+        """
+        for step in sorted(self._local_steps()):
+            if step in self._uploaded:
+                continue
+            path = self.local_root / Path(self._remote(step)).name
+            remote = self._remote(step)
+            try:
+                manifest = (path / MANIFEST).read_text()
+                fs, remote_path = filesystem(remote)
+                # A step saved again (after a fallback) must not look committed half-way.
+                if fs.exists(f"{remote_path}/{MANIFEST}"):
+                    fs.rm(f"{remote_path}/{MANIFEST}")
+                upload_files(path, list(json.loads(manifest)["files"]), remote)
+                fs.pipe_file(f"{remote_path}/{MANIFEST}", manifest.encode())
+            except FileNotFoundError:
+                # Local retention removed it while it was read: a newer one exists.
+                continue
+            self._uploaded.add(step)
+            self._log(f"resume checkpoint of step {step} uploaded to {remote}")
+        self._prune()
+
+    @contextmanager
+    def pushing(self) -> Iterator[None]:
+        """Upload new checkpoints in a background thread while the block runs, and once
+        more at its end (also when it fails, so that a retry elsewhere can resume)."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(MIRROR_EVERY_S):
+                try:
+                    self.push()
+                except OSError as err:  # the final push reports what still fails
+                    self._log(f"checkpoint upload to {self.url} failed, retrying: {err}")
+
+        thread = threading.Thread(target=loop, name="checkpoint-mirror", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            self.push()
+
+    def remove(self) -> None:
+        """Delete the remote checkpoints (the run finished; they are spent)."""
+        remove_tree(self.url)
+
+    def _remote(self, step: int) -> str:
+        return join_url(self.url, f"step-{step:08d}")
+
+    def _local_steps(self) -> list[int]:
+        """Steps committed locally (a step directory holding its manifest)."""
+        if not self.local_root.is_dir():
+            return []
+        return [
+            step
+            for path in self.local_root.iterdir()
+            if (step := parse_step(path.name)) is not None and (path / MANIFEST).is_file()
+        ]
+
+    def _remote_steps(self, committed: bool) -> list[int]:
+        """Steps with a remote directory (`committed`: only those with their manifest)."""
+        fs, path = filesystem(self.url)
+        fs.invalidate_cache(path)
+        if not fs.exists(path):
+            return []
+        steps = []
+        for entry in fs.ls(path, detail=False):
+            step = parse_step(entry.rstrip("/").rsplit("/", 1)[-1])
+            if step is not None and (not committed or fs.exists(f"{entry}/{MANIFEST}")):
+                steps.append(step)
+        return steps
+
+    def _prune(self) -> None:
+        """Remove remote checkpoints older than the `keep` newest committed ones."""
+        committed = sorted(self._remote_steps(committed=True), reverse=True)
+        if len(committed) < self.keep:
+            return
+        cutoff = committed[self.keep - 1]
+        fs, _ = filesystem(self.url)
+        for step in self._remote_steps(committed=False):
+            if step < cutoff:
+                _, remote_path = filesystem(self._remote(step))
+                if fs.exists(f"{remote_path}/{MANIFEST}"):
+                    fs.rm(f"{remote_path}/{MANIFEST}")  # first: it stops being a resume point
+                remove_tree(self._remote(step))
+
 
 # Share of the machine's memory the ranks may plan for; the rest is the OS, Prefect
 # and the page cache the reader lives on.
@@ -76,7 +252,19 @@ def train_task(
     """
     fp = stage_fingerprint("train", config.model_dump(), [shard, preprocess])
     logger = get_run_logger()
-    resume_root = ArtifactStore(root).root / "checkpoints" / "train" / fp
+    store = ArtifactStore(root)
+    # For a remote root this is the local mirror of <root>/checkpoints/train/<fp>.
+    resume_root = store.root / "checkpoints" / "train" / fp
+    mirror = (
+        CheckpointMirror(
+            resume_root,
+            store.location("checkpoints", "train", fp),
+            config.keep_checkpoints,
+            logger.info,
+        )
+        if store.remote
+        else None
+    )
 
     def produce(out_dir: Path) -> dict:
         progress_id = create_progress_artifact(
@@ -96,11 +284,12 @@ def train_task(
 
             accelerator = "cuda" if torch.cuda.is_available() else "cpu"
             if config.model in SEQUENCE_MODELS:
-                train_fn, data_dir = train_sequence_model, Path(preprocess.output) / "sequences"
+                train_fn, data_dir = train_sequence_model, local_dir(preprocess) / "sequences"
             else:
-                train_fn, data_dir = train_model, Path(shard.output)
+                train_fn, data_dir = train_model, local_dir(shard)
 
-            result = train_fn(
+            run = partial(
+                train_fn,
                 config,
                 data_dir,
                 out_dir,
@@ -113,6 +302,12 @@ def train_task(
                 # Outlives this attempt's staging directory, so that a retry resumes.
                 checkpoint_root=resume_root,
             )
+            if mirror is None:
+                result = run()
+            else:
+                mirror.pull()
+                with mirror.pushing():
+                    result = run()
         update_progress_artifact(progress_id, progress=100.0)
         # CTR runs split a step into data/lookup/dense/optimizer; pipelines report "step".
         phases = list(history[0]["step_ms"]) if history else []
@@ -146,6 +341,8 @@ def train_task(
             )
         # The stage output holds the final checkpoint; the resume checkpoints are spent.
         shutil.rmtree(resume_root, ignore_errors=True)
+        if mirror is not None:
+            mirror.remove()
         return {
             "resumed_from_step": result.resumed_from_step,
             "final_loss": result.final_loss,

@@ -35,3 +35,18 @@ def _no_leaked_deepspeed_buffers():
     yield
     for path in unmapped_shm_buffers():
         path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """One moto S3 server on 127.0.0.1 (a free port) for the object-store tests.
+
+    Yields its endpoint URL; each test points AWS_ENDPOINT_URL at it with fake
+    credentials, so no request can leave the machine.
+    """
+    server_module = pytest.importorskip("moto.server", reason="pip install 'moto[server]'")
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
