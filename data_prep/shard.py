@@ -24,8 +24,9 @@ they are read; pass 1 keeps one open per bucket, so there may be at most
 Every shard is written in row groups of exactly ``row_group_size`` rows (the last one
 shorter). Memory: two buckets (about ``shuffle_buffer_rows`` rows each: one being
 written while the next is permuted) plus one row group per shard, whatever the split's
-size. valid and test are written while train is shuffled. With ``num_train_shards`` a multiple of the
-training world size every rank reads its own files (``training.data.rank_slices``).
+size. valid and test are written while train is shuffled. With ``num_train_shards`` a
+multiple of the training world size every rank reads its own files
+(``training.data.rank_slices``).
 """
 
 import json
