@@ -41,6 +41,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -451,8 +452,10 @@ def ingest_file(
     # one is validated, one batch in flight each (bounded memory, same order, same bytes).
     writing: Future[None] | None = None
     try:
-        with ThreadPoolExecutor(max_workers=1) as writer:
-            for batch in _prefetched(batches):
+        # closing(): an error here stops the reader thread at once, not when the
+        # generator is collected.
+        with ThreadPoolExecutor(max_workers=1) as writer, closing(_prefetched(batches)) as ahead:
+            for batch in ahead:
                 good, bad = validate_batch(batch, schema, url, record_offset, seen)
                 if writing is not None:
                     writing.result()

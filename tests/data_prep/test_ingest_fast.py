@@ -160,3 +160,26 @@ def test_prefetching_keeps_order_raises_the_readers_error_and_stops_early():
         if item == 3:
             break
     assert closed == [True]
+
+
+def test_an_error_while_validating_stops_the_reader_thread(tmp_path, monkeypatch):
+    import threading
+
+    _write_logs(tmp_path / "raw")
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("validation broke")
+        return real(*args, **kwargs)
+
+    real = ingest.validate_batch
+    monkeypatch.setattr(ingest, "validate_batch", failing)
+    monkeypatch.setattr(readers, "_BLOCK_BYTES", 1 << 12)  # several batches per file
+    config = IngestConfig(path=str(tmp_path / "raw" / "part-0.csv"), batch_rows=200)
+    with pytest.raises(RuntimeError, match="validation broke") as raised:
+        ingest_logs(config, SCHEMA, tmp_path / "out", workers=1)
+    # Checked while the traceback (and so the failed call's frames) is still alive.
+    assert raised.traceback
+    assert not [t for t in threading.enumerate() if t.name == "ingest-reader"]
