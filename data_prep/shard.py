@@ -26,7 +26,7 @@ shorter). Memory: two buckets (about ``shuffle_buffer_rows`` rows each: one bein
 written while the next is permuted) plus one row group per shard, whatever the split's
 size. valid and test are written while train is shuffled. With ``num_train_shards`` a
 multiple of the training world size every rank reads its own files
-(``training.data.rank_slices``).
+(``training.ctr.data.rank_slices``).
 """
 
 import json
