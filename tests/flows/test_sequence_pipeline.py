@@ -45,7 +45,8 @@ def test_sasrec_runs_every_stage_and_records_ranking_metrics(sequence_run):
     for prefix in ("", "popularity/"):
         for key in ("hr@5_sampled", "ndcg@10_sampled", "mrr_sampled", "hr@10_full"):
             assert 0.0 <= metrics[prefix + key] <= 1.0, prefix + key
-    assert metrics["num_users"] + metrics["dropped_oov_targets"] == 200
+    # Every test user with a test item counts; an unseen target is a miss, not removed.
+    assert metrics["num_users"] == 200 and 0 <= metrics["oov_targets"] < 200
     # 20 negatives: a ranking no better than chance would put HR@10 near 10/21.
     assert metrics["hr@10_sampled"] >= metrics["hr@5_sampled"]
 

@@ -12,8 +12,11 @@ Writes `<out_dir>/metrics.json`:
   other items masked;
 - the same keys prefixed `popularity/`: the popularity baseline (train interaction
   counts) ranked in the same run against the same negatives;
-- `split`, `num_users` (rows ranked), `dropped_oov_targets` (rows whose target item is
-  out of vocabulary, index 0: no model can rank it, so they are not counted).
+- `split`, `num_users` (every row of the split: every evaluated user with a target),
+  `oov_targets` (how many of them have a target out of the item vocabulary, index 0:
+  an item never seen in training). Such a row is not removed: it is a miss for the
+  model and for the baseline alike, 0 towards every HR@K, NDCG@K and MRR, in both
+  protocols (`training.sequence.ranking.UNRANKED` says why).
 
 The model scores in fp32. SASRec: the user's state is the hidden state at the last
 position of its (left-padded) history, and an item's score its dot product with the
@@ -22,7 +25,7 @@ Transformer pass, so only protocol (a) runs (full ranking would take one pass pe
 and user). Each model's scorer and whether it ranks fully come from its entry in
 `training.sequence.registry`. Ties are pessimistic (see `training.sequence.ranking`).
 
-The rows (in-vocabulary targets, in file order) are ranked in blocks of
+The rows (every row, in file order) are ranked in blocks of
 `evaluate.ranking_block_users`: a block's histories are encoded and its candidates
 scored together, and a row's negatives are keyed by its row number, so a row's ranks
 depend only on the block it is in. Ranks: with `evaluate.workers` = P > 1 and a split
@@ -30,7 +33,7 @@ of B > 1 blocks, min(P, B) ranks rank the split (more would idle: lower
 `evaluate.ranking_block_users` to use more), run as
 `python -m training.sequence.evaluate_worker` by DeepSpeed's launcher in one gloo
 process group, as the CTR evaluate does (`training.ctr.evaluate`). Rank r takes a
-contiguous run of whole blocks (`_rank_blocks`), so every block is computed exactly as
+contiguous run of whole blocks (`rank_blocks`), so every block is computed exactly as
 in one process; rank 0 gathers the ranks' per-row target ranks (model and popularity,
 each protocol) and concatenates them in rank order, which is row order, and this
 process computes the metrics from them by the same code as for one process: the
@@ -47,6 +50,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -128,7 +132,7 @@ def evaluate_sequence_model(
     Raises:
         InputNotFoundError: A model file, the split's sequences or the item counts are
             missing.
-        SchemaError: No row has an in-vocabulary target, or the item counts do not fit
+        SchemaError: Every target is out of vocabulary, or the item counts do not fit
             the model.
         TooFewNegativesError: A user has interacted with almost every item.
         TransientError: A rank died (killed, or out of memory) or the launcher failed.
@@ -137,19 +141,19 @@ def evaluate_sequence_model(
     TooFewNegativesError comes back as the same type, its message prefixed with the rank.
     """
     inputs = _load_inputs(config, Path(train_dir), Path(sequences_dir))
-    num_rows, dropped = len(inputs.targets), inputs.dropped
+    num_rows, oov_targets = len(inputs.targets), inputs.oov_targets
     num_blocks = -(-num_rows // config.ranking_block_users)
     out_dir = Path(out_dir)
     world_size = min(config.workers, num_blocks)
     if world_size == 1:
-        ranks = _rank_rows(inputs, config, 0, num_rows)
+        ranks = rank_rows(inputs, config, 0, num_rows)
     else:
         del inputs  # every rank loads its own copy
         launch = RankLaunch(env, master_port, python, on_log)
         ranks = _rank_in_ranks(
             config, Path(train_dir), Path(sequences_dir), num_rows, world_size, out_dir, launch
         )
-    metrics = _metrics(config, ranks, num_rows, dropped)
+    metrics = _metrics(config, ranks, num_rows, oov_targets)
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / METRICS_FILE
     metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
@@ -157,7 +161,7 @@ def evaluate_sequence_model(
 
 
 def _metrics(
-    config: EvaluateConfig, ranks: dict[str, np.ndarray], num_rows: int, dropped: int
+    config: EvaluateConfig, ranks: dict[str, np.ndarray], num_rows: int, oov_targets: int
 ) -> dict[str, float | int | str]:
     """metrics.json's content from the per-row target ranks (model and baseline)."""
     # The same metrics code on the same (U,) ranks in row order, whoever ranked them.
@@ -169,37 +173,58 @@ def _metrics(
     return {
         "split": config.split,
         "num_users": num_rows,
-        "dropped_oov_targets": dropped,
+        "oov_targets": oov_targets,
         **ours,
         **{BASELINE_PREFIX + key: value for key, value in baseline.items()},
     }
 
 
 @dataclass(frozen=True)
-class _SplitInputs:
-    """What ranking the split's rows needs, loaded and checked (`_load_inputs`)."""
+class SplitInputs:
+    """What ranking the split's rows needs, loaded and checked (`load_split_inputs`)."""
 
     entry: SequenceModel  # the model's registry entry (how it ranks)
     model: nn.Module
     max_length: int  # L, histories are left-padded to it
     num_items: int  # V, padding index 0 included
-    targets: np.ndarray  # (U,) int64 in-vocabulary targets, in file order
+    targets: np.ndarray  # (U,) int64 targets in file order, 0 where out of vocabulary
     histories: list[list[int]]  # U histories, oldest item first
     seen: list[np.ndarray]  # U arrays of the user's items (untruncated)
     counts: np.ndarray  # (V,) train interactions per item
-    dropped: int  # rows left out for an out-of-vocabulary target
+    oov_targets: int  # rows whose target is 0 (ranked as misses, see UNRANKED)
 
 
-def _load_inputs(config: EvaluateConfig, train_dir: Path, sequences_dir: Path) -> _SplitInputs:
-    """Load the model, the split's rows with in-vocabulary targets and the item counts.
+def _load_inputs(config: EvaluateConfig, train_dir: Path, sequences_dir: Path) -> SplitInputs:
+    """Load the model, the split's rows and the item counts.
 
     Raises:
         InputNotFoundError: A model file, the split's sequences or the item counts are
             missing.
-        SchemaError: No row has an in-vocabulary target, or the counts do not fit the model.
+        SchemaError: Every target is out of vocabulary, or the counts do not fit the model.
     """
     model, model_config = load_sequence_model(train_dir, kind=None)
-    split_path = sequences_dir / f"{config.split}.parquet"
+    return load_split_inputs(config.split, model, model_config, sequences_dir)
+
+
+def load_split_inputs(
+    split: str, model: nn.Module, model_config: Mapping[str, Any], sequences_dir: Path
+) -> SplitInputs:
+    """A split's rows and the item counts, ready to rank with `model`.
+
+    Args:
+        split: "valid" or "test".
+        model: The model (eval mode), from `load_sequence_model` or built in training.
+        model_config: Its `model_config.json` (`model`, `num_items`, `max_length`).
+        sequences_dir: Preprocess's `sequences/` directory.
+
+    Returns:
+        Every row of the split, in file order (out-of-vocabulary targets included).
+
+    Raises:
+        InputNotFoundError: The split's sequences or the item counts are missing.
+        SchemaError: Every target is out of vocabulary, or the counts do not fit the model.
+    """
+    split_path = sequences_dir / f"{split}.parquet"
     counts_path = sequences_dir / ITEM_COUNTS_FILE
     for path in (split_path, counts_path):
         if not path.is_file():
@@ -207,14 +232,14 @@ def _load_inputs(config: EvaluateConfig, train_dir: Path, sequences_dir: Path) -
                 f"{path} does not exist; rerun preprocess with preprocess.sequence_length set"
             )
     table = pq.read_table(split_path, columns=["history", "target", "seen"])
-    targets = table.column("target").to_numpy()
-    kept = np.flatnonzero(targets != 0)
-    if len(kept) == 0:
+    targets = table.column("target").to_numpy().astype(np.int64, copy=False)
+    oov_targets = int((targets == 0).sum())
+    if oov_targets == len(targets):
+        # Every row would be a miss: figures of 0 that say nothing about the model.
         raise SchemaError(
             f"{split_path}: all {len(targets)} targets are out of vocabulary (item 0); "
             "lower the item field's min_count so test items get indices"
         )
-    table = table.take(kept)
     num_items = int(model_config["num_items"])
     counts = np.load(counts_path)
     if counts.shape != (num_items,):
@@ -222,21 +247,30 @@ def _load_inputs(config: EvaluateConfig, train_dir: Path, sequences_dir: Path) -
             f"{counts_path} has {counts.shape} counts but the model has {num_items} items; "
             "the train and preprocess outputs are from different runs"
         )
-    return _SplitInputs(
+    return SplitInputs(
         entry=SEQUENCE_MODEL_REGISTRY[model_config["model"]],
         model=model,
         max_length=int(model_config["max_length"]),
         num_items=num_items,
-        targets=targets[kept].astype(np.int64, copy=False),
+        targets=targets,
         histories=table.column("history").to_pylist(),
         seen=[np.asarray(items, dtype=np.int64) for items in table.column("seen").to_pylist()],
         counts=counts,
-        dropped=len(targets) - len(kept),
+        oov_targets=oov_targets,
     )
 
 
-def _rank_blocks(num_rows: int, block_users: int, rank: int, world_size: int) -> range:
+def rank_blocks(num_rows: int, block_users: int, rank: int, world_size: int) -> range:
     """Rank `rank`'s rows: a contiguous run of whole blocks of `block_users` rows.
+
+    Args:
+        num_rows: Rows of the split.
+        block_users: Rows per ranking block.
+        rank, world_size: This rank and the number of ranks.
+
+    Returns:
+        The rank's rows.
+
 
     Whole blocks, because a row's state and scores are computed with the rest of its
     block (a GEMM's result for a row may depend on the rows around it), so a row ranked
@@ -249,15 +283,28 @@ def _rank_blocks(num_rows: int, block_users: int, rank: int, world_size: int) ->
     return range(first * block_users, min(last * block_users, num_rows))
 
 
-def _rank_rows(
-    inputs: _SplitInputs, config: EvaluateConfig, start: int, stop: int
+def rank_rows(
+    inputs: SplitInputs,
+    config: EvaluateConfig,
+    start: int,
+    stop: int,
+    *,
+    baseline: bool = True,
 ) -> dict[str, np.ndarray]:
     """Target ranks of rows start..stop-1 (start on a block boundary), model and baseline.
+
+    Args:
+        inputs: The split (`load_split_inputs`).
+        config: The protocol (num_negatives, negatives_seed, full_ranking,
+            ranking_block_users).
+        start, stop: The rows to rank.
+        baseline: Also rank with popularity (training's validation does not).
 
     Returns:
         (stop - start,) int64 ranks under "sampled", and "full" when the full protocol
         runs (`evaluate.full_ranking` and a model with `full_ranking` in the registry),
-        and the same keys prefixed `popularity/`.
+        and with `baseline` the same keys prefixed `popularity/`; `UNRANKED` for a row
+        whose target is out of vocabulary, in every protocol and for either scorer.
 
     Raises:
         TooFewNegativesError: A user has interacted with almost every item.
@@ -277,7 +324,11 @@ def _rank_rows(
         "block_users": block,
     }
     ranks: dict[str, np.ndarray] = {}
-    for prefix, fn in (("", score_fn), (BASELINE_PREFIX, popularity_scores(inputs.counts))):
+    scorers = [("", score_fn)]
+    if baseline:
+        scorers.append((BASELINE_PREFIX, popularity_scores(inputs.counts)))
+    # One rank_targets for both scorers: the same rows, negatives and OOV rule.
+    for prefix, fn in scorers:
         result = rank_targets(fn, **protocol)
         ranks[prefix + "sampled"] = result.sampled
         if result.full is not None:

@@ -3,8 +3,8 @@
 Reads the launch spec written by `training.sequence.evaluate` (the evaluate config, the
 train and sequences directories, the rows the parent counted, the number of ranks,
 where the merged result goes), the model and the split's sequences, and ranks this
-rank's rows: a contiguous run of whole ranking blocks (`_rank_blocks`), each block
-computed as one process computes it (`_rank_rows`). Rank 0 concatenates every rank's
+rank's rows: a contiguous run of whole ranking blocks (`rank_blocks`), each block
+computed as one process computes it (`rank_rows`). Rank 0 concatenates every rank's
 per-row target ranks in rank order (row order) and writes them as an .npz to the
 spec's `result_file`; `evaluate_sequence_model` computes metrics.json from it alone.
 
@@ -25,7 +25,7 @@ from data_prep.errors import SchemaError
 from training.config import EvaluateConfig
 from training.runtime.evaluate_ranks import run_evaluate_rank
 from training.runtime.rank import rank_main
-from training.sequence.evaluate import _load_inputs, _rank_blocks, _rank_rows
+from training.sequence.evaluate import _load_inputs, rank_blocks, rank_rows
 
 
 def run(spec: dict[str, Any]) -> None:
@@ -44,19 +44,19 @@ def run(spec: dict[str, Any]) -> None:
     """
     config = EvaluateConfig.model_validate(spec["config"])
 
-    def rank_rows(rank: int, world_size: int) -> dict[str, np.ndarray]:
+    def rank_this_rank(rank: int, world_size: int) -> dict[str, np.ndarray]:
         sequences_dir = Path(spec["sequences_dir"])
         inputs = _load_inputs(config, Path(spec["train_dir"]), sequences_dir)
         if len(inputs.targets) != spec["num_rows"]:
             raise SchemaError(
-                f"{sequences_dir / (config.split + '.parquet')} has {len(inputs.targets)} rows "
-                f"with in-vocabulary targets, the parent counted {spec['num_rows']}: it "
+                f"{sequences_dir / (config.split + '.parquet')} has {len(inputs.targets)} rows, "
+                f"the parent counted {spec['num_rows']}: it "
                 "changed during the evaluation; rerun evaluate"
             )
-        rows = _rank_blocks(len(inputs.targets), config.ranking_block_users, rank, world_size)
-        return _rank_rows(inputs, config, rows.start, rows.stop)
+        rows = rank_blocks(len(inputs.targets), config.ranking_block_users, rank, world_size)
+        return rank_rows(inputs, config, rows.start, rows.stop)
 
-    run_evaluate_rank(spec, "min(evaluate.workers, blocks)", rank_rows, _concatenate, _savez)
+    run_evaluate_rank(spec, "min(evaluate.workers, blocks)", rank_this_rank, _concatenate, _savez)
 
 
 def _concatenate(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -12,6 +12,16 @@ Item 0 is the padding/OOV index and is never a candidate. Ranks are 0-based and
 ties are counted pessimistically (the target loses every tie), so a constant scorer
 scores zero instead of looking perfect. HR@K, NDCG@K and MRR follow from the ranks.
 
+A user whose target is out of vocabulary (item 0: never seen in training) stays in
+the evaluation as a miss: its rank is `UNRANKED`, which counts 0 towards HR@K, NDCG@K
+(every K) and MRR. The published protocols rank every test user against the whole
+catalogue; removing the users no model can rank would raise every model's figures
+(and the baseline's) by the same unearned factor. A miss is what such a user gets from
+any recommender built on this vocabulary: item 0 is never a candidate, so the exported
+top-K never holds the target (a reciprocal rank of 0). It is not scored as the padding
+row: that row's score is an artefact (zero, or a trained bias) that could land the
+target anywhere.
+
 No I/O: the model is reached only through a `score_fn` callable. The protocols are
 pure numpy; the model adapters at the end (`state_score_fn` for models that score
 items against a user state, `candidate_score_fn` for models that score each
@@ -48,6 +58,8 @@ _MIN_ACCEPTANCE = 1 / 8
 """Below this share of acceptable draws a user is sampled exactly instead of by rejection."""
 _EXACT_GROUP_ENTRIES = 1 << 22
 """Random keys materialised at once by the exact sampler: rows x (num_items - 1)."""
+UNRANKED = -1
+"""The rank of an out-of-vocabulary target (item 0): a miss at every K, reciprocal rank 0."""
 
 
 class TooFewNegativesError(DataError, ValueError):
@@ -365,10 +377,11 @@ def metrics_from_ranks(ranks: np.ndarray, ks: Sequence[int], suffix: str) -> dic
     """HR@K, NDCG@K (one relevant item) and MRR of 0-based target ranks.
 
     HR@K = mean(rank < K); NDCG@K = mean(1 / log2(rank + 2) if rank < K else 0);
-    MRR = mean(1 / (rank + 1)).
+    MRR = mean(1 / (rank + 1)). An `UNRANKED` user (an out-of-vocabulary target) counts
+    in every mean with 0.
 
     Args:
-        ranks: (U,) non-negative integer ranks.
+        ranks: (U,) integer ranks, each >= 0 or `UNRANKED`.
         ks: Cutoffs, each >= 1.
         suffix: Key suffix, "sampled" or "full".
 
@@ -376,22 +389,27 @@ def metrics_from_ranks(ranks: np.ndarray, ks: Sequence[int], suffix: str) -> dic
         {f"hr@{k}_{suffix}", f"ndcg@{k}_{suffix}" for k in ks, f"mrr_{suffix}"}.
 
     Raises:
-        ValueError: ranks is empty, not 1-d integers, or negative; a k is < 1.
+        ValueError: ranks is empty, not 1-d integers, or negative other than
+            `UNRANKED`; a k is < 1.
     """
     r = _as_int_array("ranks", ranks, 1)
     if r.size == 0:
         raise ValueError("ranking metrics of zero users are undefined")
-    if (r < 0).any():
-        raise ValueError(f"ranks must be >= 0, got min {int(r.min())}")
+    if ((r < 0) & (r != UNRANKED)).any():
+        raise ValueError(f"ranks must be >= 0 or UNRANKED ({UNRANKED}), got min {int(r.min())}")
     if not ks or any(int(k) < 1 for k in ks):
         raise ValueError(f"ks must be non-empty cutoffs >= 1, got {list(ks)}")
-    gain = 1.0 / np.log2(r + 2.0)  # (U,)
+    ranked = r != UNRANKED  # (U,)
+    # An unranked user's gain and reciprocal rank are 0 (its rank stands in as 0 only
+    # to keep the log and the division finite; np.where then discards it).
+    safe = np.where(ranked, r, 0)
+    gain = np.where(ranked, 1.0 / np.log2(safe + 2.0), 0.0)  # (U,)
     metrics: dict[str, float] = {}
     for k in ks:
-        hit = r < k
+        hit = ranked & (r < k)
         metrics[f"hr@{k}_{suffix}"] = float(hit.mean())
         metrics[f"ndcg@{k}_{suffix}"] = float(np.where(hit, gain, 0.0).mean())
-    metrics[f"mrr_{suffix}"] = float((1.0 / (r + 1.0)).mean())
+    metrics[f"mrr_{suffix}"] = float(np.where(ranked, 1.0 / (safe + 1.0), 0.0).mean())
     return metrics
 
 
@@ -442,7 +460,9 @@ def rank_targets(
     np.ascontiguousarray before torch.from_numpy), the user's seen items other than
     the target masked out.
     Users are scored in blocks of `block_users` from the first one, so score_fn sees
-    the same blocks whenever the same users are passed from a block boundary.
+    the same blocks whenever the same users are passed from a block boundary. A user
+    whose target is 0 (out of vocabulary) is ranked `UNRANKED` in both protocols and
+    left out of its block's score_fn call and negatives (see the module docstring).
     Peak memory is about block_users * num_items * (score bytes + 6) in full mode.
 
     Args:
@@ -450,7 +470,7 @@ def rank_targets(
             higher is better. It receives the `users` values of the block.
         users: (U,) user indices, passed to score_fn and keying the negatives, so a
             user gets the same negatives whatever else is evaluated.
-        targets: (U,) held-out items, in [1, num_items).
+        targets: (U,) held-out items, in [0, num_items); 0 is out of vocabulary.
         seen: U arrays: each user's seen items (its history; may include the target).
         num_items: Item vocabulary size, padding index 0 included.
         num_negatives: Sampled negatives per user (SASRec: 100).
@@ -463,7 +483,7 @@ def rank_targets(
 
     Raises:
         TooFewNegativesError: (a ValueError) A user has fewer than num_negatives unseen items.
-        ValueError: Inputs disagree in length, are empty, a target is 0 (OOV) or not
+        ValueError: Inputs disagree in length, are empty, a target is negative or not
             below num_items, a seen item is out of range, or score_fn returns the wrong
             shape or NaN.
     """
@@ -480,20 +500,25 @@ def rank_targets(
         raise ValueError(f"block_users must be >= 1, got {block_users}")
     if num_items < 2:
         raise ValueError(f"num_items must be >= 2 (item 0 is padding), got {num_items}")
-    bad = np.flatnonzero((target_items < 1) | (target_items >= num_items))
+    bad = np.flatnonzero((target_items < 0) | (target_items >= num_items))
     if bad.size:
         u = int(bad[0])
         raise ValueError(
             f"target {int(target_items[u])} of user {int(user_ids[u])} is outside "
-            f"[1, num_items={num_items}); drop OOV (0) targets before evaluation and pass "
-            "num_items = the item vocabulary size"
+            f"[0, num_items={num_items}); pass num_items = the item vocabulary size"
         )
     all_items = np.arange(1, num_items, dtype=np.int64)
-    sampled_ranks = np.empty(len(user_ids), dtype=np.int64)
-    full_ranks = np.empty(len(user_ids), dtype=np.int64)
+    sampled_ranks = np.full(len(user_ids), UNRANKED, dtype=np.int64)
+    full_ranks = np.full(len(user_ids), UNRANKED, dtype=np.int64)
     for start in range(0, len(user_ids), block_users):
-        block = slice(start, start + block_users)
-        block_ids, block_targets, block_seen = user_ids[block], target_items[block], seen[block]
+        # The block's in-vocabulary users; the others stay UNRANKED. Blocks are cut
+        # before this, so which users share a score_fn call does not depend on where
+        # the out-of-vocabulary targets are.
+        block = start + np.flatnonzero(target_items[start : start + block_users] != 0)
+        if block.size == 0:
+            continue
+        block_ids, block_targets = user_ids[block], target_items[block]
+        block_seen = [seen[i] for i in block]
         b = len(block_ids)
 
         negatives = _sample(

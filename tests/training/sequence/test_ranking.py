@@ -6,11 +6,13 @@ import pytest
 from data_prep.errors import DataError
 from training.sequence import ranking
 from training.sequence.ranking import (
+    UNRANKED,
     RankingResult,
     evaluate_ranking,
     metrics_from_ranks,
     popularity_scores,
     rank_of_target,
+    rank_targets,
     sample_negatives,
 )
 
@@ -58,11 +60,28 @@ def test_metrics_from_hand_computed_ranks() -> None:
     assert metrics["mrr_full"] == pytest.approx((1 + 1 / 2 + 1 / 4 + 1 / 11) / 4, abs=1e-15)
 
 
+def test_an_unranked_user_is_a_miss_in_the_denominator() -> None:
+    # Ranks 0 and 3, and one out-of-vocabulary target: every mean is over 3 users.
+    metrics = metrics_from_ranks(np.array([0, UNRANKED, 3]), ks=(1, 5), suffix="sampled")
+    assert metrics == {
+        "hr@1_sampled": 1 / 3,
+        "ndcg@1_sampled": 1 / 3,
+        "hr@5_sampled": 2 / 3,
+        "ndcg@5_sampled": (1 + 1 / math.log2(5)) / 3,
+        "mrr_sampled": (1 + 1 / 4) / 3,
+    }
+    assert metrics_from_ranks(np.array([UNRANKED]), (1,), "full") == {
+        "hr@1_full": 0.0,
+        "ndcg@1_full": 0.0,
+        "mrr_full": 0.0,
+    }
+
+
 def test_metrics_from_ranks_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="zero users"):
         metrics_from_ranks(np.array([], dtype=np.int64), (10,), "full")
-    with pytest.raises(ValueError, match=">= 0"):
-        metrics_from_ranks(np.array([0, -1]), (10,), "full")
+    with pytest.raises(ValueError, match=">= 0 or UNRANKED"):
+        metrics_from_ranks(np.array([0, -2]), (10,), "full")
     with pytest.raises(ValueError, match="ks"):
         metrics_from_ranks(np.array([0, 1]), (0,), "full")
 
@@ -337,6 +356,46 @@ def test_popularity_baseline_on_a_toy_catalogue() -> None:
     )
 
 
+def test_an_oov_target_is_a_miss_for_the_model_and_the_baseline_alike() -> None:
+    # The toy catalogue above plus a 4th user whose target is out of vocabulary (0).
+    counts = np.array([0, 50, 40, 30, 20, 20])
+    users, targets = np.array([0, 1, 2, 3]), np.array([1, 3, 5, 0])
+    empty = np.array([], dtype=np.int64)
+    seen = [empty, np.array([1]), empty, np.array([2])]
+    scored_users: list[int] = []
+
+    def model(block_users: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+        scored_users.extend(block_users.tolist())
+        return popularity_scores(counts)(block_users, candidates)
+
+    expected_ranks = {"sampled": [0, 1, 3, UNRANKED], "full": [0, 1, 4, UNRANKED]}
+    for score_fn in (model, popularity_scores(counts)):
+        ranks = rank_targets(score_fn, users, targets, seen, 6, num_negatives=3, block_users=3)
+        assert ranks.sampled.tolist() == expected_ranks["sampled"]
+        assert ranks.full.tolist() == expected_ranks["full"]
+    assert 3 not in scored_users  # the OOV user is never scored, never sampled for
+    result = evaluate_ranking(
+        popularity_scores(counts), users, targets, seen, 6, ks=(1, 2), num_negatives=3
+    )
+    # The test above's figures with 4 users in the denominator, the 4th a miss.
+    assert result.num_users == 4
+    assert result.metrics == pytest.approx(
+        {
+            "hr@1_sampled": 1 / 4,
+            "ndcg@1_sampled": 1 / 4,
+            "hr@2_sampled": 2 / 4,
+            "ndcg@2_sampled": (1 + 1 / math.log2(3)) / 4,
+            "mrr_sampled": (1 + 1 / 2 + 1 / 4) / 4,
+            "hr@1_full": 1 / 4,
+            "ndcg@1_full": 1 / 4,
+            "hr@2_full": 2 / 4,
+            "ndcg@2_full": (1 + 1 / math.log2(3)) / 4,
+            "mrr_full": (1 + 1 / 2 + 1 / 5) / 4,
+        },
+        abs=1e-15,
+    )
+
+
 def test_sampled_only_when_full_is_off() -> None:
     result = evaluate_ranking(
         popularity_scores(np.arange(20)),
@@ -354,8 +413,8 @@ def test_sampled_only_when_full_is_off() -> None:
 def test_evaluate_rejects_bad_input() -> None:
     scorer = popularity_scores(np.arange(20))
     one_seen = [np.array([1])]
-    with pytest.raises(ValueError, match="target 0 of user 5 .*OOV"):
-        evaluate_ranking(scorer, np.array([5]), np.array([0]), one_seen, 20, num_negatives=5)
+    with pytest.raises(ValueError, match="target -1 of user 5"):
+        evaluate_ranking(scorer, np.array([5]), np.array([-1]), one_seen, 20, num_negatives=5)
     with pytest.raises(ValueError, match="target 20 of user 5"):
         evaluate_ranking(scorer, np.array([5]), np.array([20]), one_seen, 20, num_negatives=5)
     with pytest.raises(ValueError, match="one entry per evaluated user"):

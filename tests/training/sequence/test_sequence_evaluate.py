@@ -16,7 +16,7 @@ from training.config import EvaluateConfig
 from training.runtime.files import RANKS_DIR
 from training.runtime.launcher import CHAOS_KILL_RANK
 from training.sequence.bst import BST
-from training.sequence.evaluate import _rank_blocks, evaluate_sequence_model
+from training.sequence.evaluate import evaluate_sequence_model, rank_blocks
 from training.sequence.export import pad_histories
 from training.sequence.ranking import TooFewNegativesError
 from training.sequence.sasrec import SASRec
@@ -74,20 +74,22 @@ def rows_of(seed: int, users: int, target: int | None = None) -> list[dict]:
 def test_full_ranking_matches_a_hand_computation(tmp_path: Path) -> None:
     model = write_model(tmp_path / "train")
     rows = rows_of(0, 30)
-    rows[3]["target"] = 0  # out of vocabulary: dropped and counted
+    rows[3]["target"] = 0  # out of vocabulary: a miss, counted
     counts = np.arange(40, dtype=np.int64)
     write_sequences(tmp_path / "seq", rows, counts)
     config = EvaluateConfig(ks=[1, 10], num_negatives=20, ranking_block_users=7)
     result = evaluate_sequence_model(config, tmp_path / "train", tmp_path / "seq", tmp_path / "o")
     metrics = json.loads(result.metrics_path.read_text())
     assert metrics == result.metrics
-    assert metrics["num_users"] == 29 and metrics["dropped_oov_targets"] == 1
+    assert metrics["num_users"] == 30 and metrics["oov_targets"] == 1
 
-    kept = [r for r in rows if r["target"]]
     with torch.no_grad():
-        # One history at a time (no batching), the last position's state, all items.
+        # One history at a time (no batching), the last position's state, all items;
+        # the out-of-vocabulary target is in the denominator and contributes 0.
         ranks = []
-        for r in kept:
+        for r in rows:
+            if r["target"] == 0:
+                continue
             history = pad_histories([r["history"]], ARGS["max_length"])
             scores = model.score(model(history)[:, -1])[0]  # (V,)
             others = [
@@ -95,11 +97,11 @@ def test_full_ranking_matches_a_hand_computation(tmp_path: Path) -> None:
             ]
             ranks.append(int((scores[others] >= scores[r["target"]]).sum()))
     ranks = np.array(ranks)
-    assert metrics["hr@10_full"] == pytest.approx(np.mean(ranks < 10))
-    assert metrics["hr@1_full"] == pytest.approx(np.mean(ranks < 1))
-    ndcg = np.mean([1 / math.log2(r + 2) if r < 10 else 0.0 for r in ranks])
+    assert metrics["hr@10_full"] == pytest.approx(np.sum(ranks < 10) / 30)
+    assert metrics["hr@1_full"] == pytest.approx(np.sum(ranks < 1) / 30)
+    ndcg = np.sum([1 / math.log2(r + 2) if r < 10 else 0.0 for r in ranks]) / 30
     assert metrics["ndcg@10_full"] == pytest.approx(ndcg)
-    assert metrics["mrr_full"] == pytest.approx(np.mean(1 / (ranks + 1)))
+    assert metrics["mrr_full"] == pytest.approx(np.sum(1 / (ranks + 1)) / 30)
     for key in ("hr@10_sampled", "ndcg@10_sampled", "mrr_sampled"):
         assert 0 <= metrics[key] <= 1 and 0 <= metrics["popularity/" + key] <= 1
 
@@ -150,10 +152,10 @@ def write_bst_model(train_dir: Path) -> None:
 
 
 def split_with_an_oov_target(tmp_path: Path, kind: str) -> None:
-    """29 users with in-vocabulary targets (one more is dropped) and the model."""
+    """30 users, one of them with an out-of-vocabulary target, and the model."""
     (write_bst_model if kind == "bst" else write_model)(tmp_path / "train")
     rows = rows_of(5, 30)
-    rows[11]["target"] = 0  # dropped: the rows after it are renumbered
+    rows[11]["target"] = 0  # a miss in the middle of a ranking block
     write_sequences(tmp_path / "seq", rows, np.arange(40, dtype=np.int64) % 7)
 
 
@@ -166,7 +168,7 @@ def test_rank_blocks_cover_the_rows_in_order_on_block_boundaries(
 ) -> None:
     blocks = -(-rows // block)
     world_size = min(workers, blocks)
-    parts = [_rank_blocks(rows, block, rank, world_size) for rank in range(world_size)]
+    parts = [rank_blocks(rows, block, rank, world_size) for rank in range(world_size)]
     assert [row for part in parts for row in part] == list(range(rows))  # rank order = row order
     assert all(len(part) > 0 and part.start % block == 0 for part in parts)
     sizes = [-(-len(part) // block) for part in parts]
@@ -175,16 +177,16 @@ def test_rank_blocks_cover_the_rows_in_order_on_block_boundaries(
 
 def test_a_split_of_one_block_ranks_in_this_process(tmp_path: Path) -> None:
     split_with_an_oov_target(tmp_path, "sasrec")
-    config = EvaluateConfig(ks=[1, 5], num_negatives=10, workers=4)  # 29 rows < 1024: 1 block
+    config = EvaluateConfig(ks=[1, 5], num_negatives=10, workers=4)  # 30 rows < 1024: 1 block
     result = evaluate_sequence_model(config, tmp_path / "train", tmp_path / "seq", tmp_path / "o")
-    assert result.num_users == 29 and result.metrics["dropped_oov_targets"] == 1
+    assert result.num_users == 30 and result.metrics["oov_targets"] == 1
     assert not (tmp_path / "o" / RANKS_DIR).exists()  # no launcher
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "workers", "world_size"),
-    # 29 rows in blocks of 7 are 5 blocks: 2 ranks take 2 and 3 of them; BST with 3
+    # 30 rows in blocks of 7 are 5 blocks: 2 ranks take 2 and 3 of them; BST with 3
     # workers and blocks of 15 (2 blocks) starts only 2 ranks.
     [("sasrec", 2, 2), ("bst", 3, 2)],
 )
@@ -207,7 +209,7 @@ def test_ranks_give_the_bit_identical_metrics_of_one_process(
     metrics_many = json.loads(many.metrics_path.read_text())
     # Exactly equal (JSON round-trips floats bit for bit), key order included.
     assert list(metrics_many.items()) == list(metrics_one.items())
-    assert metrics_many["num_users"] == 29 and metrics_many["dropped_oov_targets"] == 1
+    assert metrics_many["num_users"] == 30 and metrics_many["oov_targets"] == 1
     assert ("hr@10_full" in metrics_many) == (kind == "sasrec")  # BST: sampled only
     assert "popularity/mrr_sampled" in metrics_many
     spec = json.loads((tmp_path / "many" / RANKS_DIR / "launch.json").read_text())
