@@ -74,6 +74,8 @@ CHAOS_PUBLISH_FAULT = "RECFORGE_CHAOS_PUBLISH_FAULT"
 
 # Where the local side of a remote store lives (see the module docstring).
 CACHE_DIR_ENV = "RECFORGE_CACHE_DIR"
+# Object stores whose first path component is a bucket that must exist beforehand.
+BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
 class CorruptOutput(DataError):
@@ -244,8 +246,11 @@ class ArtifactStore:
             return
         fs, path = filesystem(self.url)
         with storage_errors(self.url):
-            # The bucket (first path component) answers for every object under it.
-            fs.info(path.split("/")[0])
+            if self.url.partition("://")[0] in BUCKET_PROTOCOLS:
+                # The bucket (first path component) answers for every object under it.
+                fs.info(path.split("/")[0])
+            else:
+                fs.makedirs(path, exist_ok=True)
 
     def verify(self, stage: str, fp: str) -> tuple[dict | None, str]:
         """Check a published output against its manifest.

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny schema, and one Prefect test server per session."""
 
+import logging
 import os
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def moto_endpoint():
     credentials, so no request can leave the machine.
     """
     server_module = pytest.importorskip("moto.server", reason="pip install 'moto[server]'")
+    # One log line per request would bury a failing test's own output.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()

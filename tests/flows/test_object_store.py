@@ -6,6 +6,7 @@ AWS_ENDPOINT_URL pointing at the session's moto server and fake credentials.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,7 +269,8 @@ def test_checkpoints_mirror_to_s3_and_the_newest_that_verifies_comes_back(
     assert objects(url) == []
 
 
-RESUMABLE = ["train.max_steps=200", "train.checkpoint_every=10", "train.log_every=10"]
+# Killed at its first checkpoint in S3; the ranks it orphans are stopped by the test.
+RESUMABLE = ["train.max_steps=40", "train.checkpoint_every=10", "train.log_every=10"]
 
 
 def recforge_run(root: str, raw: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -328,8 +330,10 @@ def test_tiny_pipeline_on_s3_killed_in_train_resumes_from_s3_then_is_all_cached(
     ((fp, steps),) = committed_in_s3(s3_root).items()
     in_s3 = max(steps)  # the newest committed checkpoint the killed run uploaded
 
-    # Another machine: a fresh cache, nothing local. Upstream outputs come from S3.
-    second = recforge_run(s3_root, raw, s3_environment(moto_endpoint, tmp_path / "machine-two"))
+    # Another machine: nothing local. Upstream outputs and the checkpoint come from S3.
+    # (Same cache path: the ranks' resume fingerprint includes where the shards are.)
+    shutil.rmtree(first_cache)
+    second = recforge_run(s3_root, raw, s3_environment(moto_endpoint, first_cache))
     out, err = second.communicate(timeout=600)
     assert second.returncode == 0, (out + err)[-3000:]
     last = out.strip().splitlines()[-1]
@@ -338,7 +342,10 @@ def test_tiny_pipeline_on_s3_killed_in_train_resumes_from_s3_then_is_all_cached(
     stages = record["stages"]
     assert [stages[s]["status"] for s in ("ingest", "preprocess", "shard")] == ["cached"] * 3
     assert stages["train"]["status"] == "ran" and stages["train"]["resumed_from_step"] == in_s3
-    assert record["model"].startswith(f"{s3_root}/registry/")
+    assert record["model"].startswith(f"{s3_root}/registry/tiny-ctr/")
+    # The gate promoted the first model by a conditional write of CHAMPION in S3.
+    assert record["promotion"]["status"] == "promoted", record["promotion"]
+    assert Registry(s3_root, "tiny-ctr").champion() == record["model"].rsplit("/", 1)[-1]
     assert objects(f"{s3_root}/checkpoints/train/{fp}") == []  # spent: removed
     for stage, info in stages.items():
         assert info["output"] == f"{s3_root}/stages/{stage}/{info['fingerprint']}"
