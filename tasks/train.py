@@ -48,7 +48,7 @@ from tasks.store import (
 )
 from training.config import SEQUENCE_MODELS, TrainConfig
 from training.ctr.train import train_model
-from training.runtime.checkpoint import MANIFEST, CheckpointStore, parse_step
+from training.runtime.checkpoint import MANIFEST, CheckpointStore, checkpoint_name, parse_step
 from training.runtime.launcher import (
     ERROR_PREFIX,
     RESUME_PREFIX,
@@ -94,18 +94,24 @@ class CheckpointMirror:
         for step in sorted(self._remote_steps(committed=True), reverse=True):
             if step <= local:
                 return None
-            name = Path(self._remote(step)).name
+            name = checkpoint_name(step)
             scratch = self.local_root / ".staging" / "pull" / name
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir(parents=True)
-            manifest = json.loads(read_text(join_url(self._remote(step), MANIFEST)) or "{}")
-            download_files(self._remote(step), list(manifest.get("files", {})), scratch)
-            (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            text = read_text(join_url(self._remote(step), MANIFEST)) or ""
+            try:
+                files = list(json.loads(text)["files"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                files = []  # verify names what is wrong with the manifest
+            download_files(self._remote(step), files, scratch)
+            (scratch / MANIFEST).write_text(text)
             problem = CheckpointStore(self.local_root).verify(scratch)
             if problem is not None:
                 self._log(f"checkpoint {self._remote(step)} does not verify ({problem}); skipped")
                 shutil.rmtree(scratch)
                 continue
+            # A local directory of this step without a manifest is an unfinished save.
+            shutil.rmtree(self.local_root / name, ignore_errors=True)
             os.replace(scratch, self.local_root / name)
             self._uploaded.add(step)
             self._log(f"resume checkpoint of step {step} downloaded from {self._remote(step)}")
@@ -121,7 +127,7 @@ class CheckpointMirror:
         for step in sorted(self._local_steps()):
             if step in self._uploaded:
                 continue
-            path = self.local_root / Path(self._remote(step)).name
+            path = self.local_root / checkpoint_name(step)
             remote = self._remote(step)
             try:
                 manifest = (path / MANIFEST).read_text()
@@ -165,7 +171,7 @@ class CheckpointMirror:
         remove_tree(self.url)
 
     def _remote(self, step: int) -> str:
-        return join_url(self.url, f"step-{step:08d}")
+        return join_url(self.url, checkpoint_name(step))
 
     def _local_steps(self) -> list[int]:
         """Steps committed locally (a step directory holding its manifest)."""
