@@ -7,6 +7,7 @@ rejects unknown keys; derived values (the global batch) are methods, never field
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -111,7 +112,16 @@ _CTR_ONLY_FIELDS = {
 _SEQUENCE_ONLY_FIELDS = {
     "sequence": "",
     "pipeline_stages": f"it splits the sequence models {list(SEQUENCE_MODELS)} into stages; ",
+    "eval_every_epochs": "the CTR models train for train.epochs and are evaluated after; ",
+    "patience": "the CTR models have no in-training validation; ",
+    "select_metric": "the CTR models have no in-training validation; ",
+    "valid_num_negatives": "the CTR models have no in-training validation; ",
+    "valid_negatives_seed": "the CTR models have no in-training validation; ",
 }
+# Fields that only mean something with in-training validation (train.eval_every_epochs).
+_VALIDATION_FIELDS = ("patience", "select_metric", "valid_num_negatives", "valid_negatives_seed")
+# What train.select_metric may name: a ranking metric of `training.sequence.ranking`.
+SELECT_METRIC_PATTERN = re.compile(r"(?:(?:hr|ndcg)@([1-9][0-9]*)|mrr)_(sampled|full)")
 
 
 def _other_family_fields(model: str) -> dict[str, str]:
@@ -273,7 +283,44 @@ class TrainConfig(BaseModel):
         "newest valid checkpoint (same world_size).",
     )
     keep_checkpoints: int = Field(
-        2, ge=1, description="Valid resume checkpoints kept (older ones are deleted)."
+        2,
+        ge=1,
+        description="Valid resume checkpoints kept (older ones are deleted; the best "
+        "validation checkpoint is kept besides them).",
+    )
+    eval_every_epochs: float = Field(
+        0.0,
+        ge=0,
+        description="Sequence models: rank the valid split every this many epochs (passes "
+        "over the train sequences) inside training, keep the best weights (crash-safe, in "
+        "the resume checkpoints) and consolidate those, not the last; also at the last "
+        "step. 0: no in-training validation, the last weights are the model.",
+    )
+    patience: int = Field(
+        0,
+        ge=0,
+        description="Sequence models with eval_every_epochs: stop after this many "
+        "validations in a row without a better select_metric. 0: train every step (the "
+        "best validation's weights are still the model).",
+    )
+    select_metric: str = Field(
+        "ndcg@10_sampled",
+        description="Sequence models with eval_every_epochs: the valid-split metric that "
+        "picks the best weights (higher is better): hr@K_P, ndcg@K_P or mrr_P with P "
+        "'sampled' (evaluate's seeded negatives protocol) or 'full' (SASRec only).",
+    )
+    valid_num_negatives: int = Field(
+        100,
+        ge=1,
+        description="Sequence models with eval_every_epochs: negatives of the sampled "
+        "protocol on the valid split; keep it equal to evaluate.num_negatives, so that the "
+        "weights are picked under the protocol they are tested with.",
+    )
+    valid_negatives_seed: int = Field(
+        0,
+        ge=0,
+        description="Sequence models with eval_every_epochs: seed of the valid split's "
+        "negatives; keep it equal to evaluate.negatives_seed.",
     )
     world_size: int = Field(2, ge=1, description="Number of training ranks (processes).")
     seed: int = Field(0, description="Seed of python, numpy and torch on every rank.")
@@ -349,11 +396,42 @@ class TrainConfig(BaseModel):
                 f"train.sequence.loss={self.sequence.loss!r}: BST trains on click labels with "
                 "BCE only; remove it or use train.model: sasrec"
             )
+        self._check_validation()
         if self.model == "sasrec" and self.sequence.mlp != SequenceModelConfig().mlp:
             raise ValueError(
                 f"train.sequence.mlp={self.sequence.mlp} is BST's head; SASRec scores items "
                 "by a dot product and has no head MLP: remove it or use train.model: bst"
             )
+
+    def _check_validation(self) -> None:
+        """The in-training validation fields (ValueError naming the field)."""
+        if not self.eval_every_epochs:
+            for name in _VALIDATION_FIELDS:
+                default = TrainConfig.model_fields[name].get_default()
+                if getattr(self, name) != default:
+                    # Without validation it would be silently ignored.
+                    raise ValueError(
+                        f"train.{name}={getattr(self, name)!r} needs in-training validation; "
+                        "set train.eval_every_epochs (e.g. 1) or remove it"
+                    )
+        match = SELECT_METRIC_PATTERN.fullmatch(self.select_metric)
+        if match is None:
+            raise ValueError(
+                f"train.select_metric={self.select_metric!r} is not a ranking metric; use "
+                "hr@K_sampled, ndcg@K_sampled or mrr_sampled (or _full), e.g. ndcg@10_sampled"
+            )
+        if match.group(2) == "full" and self.model == "bst":
+            raise ValueError(
+                f"train.select_metric={self.select_metric!r}: BST ranks sampled negatives "
+                "only (a full ranking takes one pass per item); use a _sampled metric"
+            )
+
+    def select_metric_protocol(self) -> tuple[int | None, str]:
+        """(K of HR@K/NDCG@K, None for MRR; "sampled" or "full") of `select_metric`."""
+        match = SELECT_METRIC_PATTERN.fullmatch(self.select_metric)
+        if match is None:  # refused at parse time; here for the type checker
+            raise ConfigError(f"train.select_metric={self.select_metric!r} is not a metric")
+        return (int(match.group(1)) if match.group(1) else None), match.group(2)
 
     def num_data_streams(self) -> int:
         """Streams the train split is read as: `data_streams`, or `world_size` if unset."""

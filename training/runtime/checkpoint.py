@@ -182,6 +182,8 @@ class CheckpointStore:
         log: Receives one line per notable event (a fallback, a stale pointer, a
             cleanup); default: this module's logger at WARNING.
         fault: Test hook, called with each name in `FAULT_POINTS` as `commit` passes it.
+        pinned: Steps retention never removes, besides the `keep` newest (e.g. the
+            best validation checkpoint); see `pin`.
 
     Raises:
         ConfigError: If `keep` < 1.
@@ -193,6 +195,7 @@ class CheckpointStore:
         keep: int = 2,
         log: Callable[[str], None] | None = None,
         fault: Callable[[str], None] | None = None,
+        pinned: Iterable[int] = (),
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(
@@ -203,10 +206,22 @@ class CheckpointStore:
         self.keep = keep
         self._log = log if log is not None else _logger.warning
         self._fault = fault
+        self._pinned = frozenset(pinned)
 
     def with_fault(self, fault: Callable[[str], None]) -> CheckpointStore:
         """The same store with the test hook `fault` (see `__init__`)."""
-        return CheckpointStore(self.root, self.keep, self._log, fault)
+        return CheckpointStore(self.root, self.keep, self._log, fault, self._pinned)
+
+    def pin(self, steps: Iterable[int]) -> None:
+        """Keep these steps' checkpoints through retention (replacing earlier pins).
+
+        The pins live in this object only: a run that restarts pins again from what it
+        recorded (the best validation step) before its first commit.
+
+        Args:
+            steps: Steps retention must not remove.
+        """
+        self._pinned = frozenset(steps)
 
     def checkpoint_dir(self, step: int) -> Path:
         """Where the checkpoint of `step` lives once committed.
@@ -433,7 +448,8 @@ class CheckpointStore:
         return sorted(found)
 
     def _retain(self, just_committed: Path) -> None:
-        """Remove checkpoints older than the `keep`-th newest structurally valid one."""
+        """Remove checkpoints older than the `keep`-th newest structurally valid one,
+        but the pinned ones."""
         valid = 0
         cutoff: int | None = None
         committed = self._committed()
@@ -446,7 +462,7 @@ class CheckpointStore:
         if cutoff is None:
             return
         for step, path in committed:
-            if step < cutoff and path != just_committed:
+            if step < cutoff and path != just_committed and step not in self._pinned:
                 self._discard(path, fault_point="mid-retention")
 
     def _discard(self, path: Path, fault_point: str | None) -> None:

@@ -138,11 +138,14 @@ def run_train_stage(
     write_json(spec_path, plan.spec)
     command = launcher_command(python, config.world_size, master_port, module, spec_path)
     # Resumable runs share their checkpoints across attempts: record who writes them.
-    owner = plan.checkpoint_root / RANKS_FILE if config.checkpoint_every else None
+    # (Sequence models' in-training validation keeps its best weights there too.)
+    resumable = config.checkpoint_every or config.eval_every_epochs
+    owner = plan.checkpoint_root / RANKS_FILE if resumable else None
     summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner)
     return TrainResult(
         out_dir=out_dir,
-        final_loss=float(summary["final_loss"]),
+        # None: a resumed run had no step left (its validation had already stopped it).
+        final_loss=float("nan") if summary["final_loss"] is None else float(summary["final_loss"]),
         steps=int(summary["steps"]),
         samples_per_s=float(summary["samples_per_s"]),
         seconds=time.monotonic() - started,

@@ -85,8 +85,18 @@ from training.runtime.rank import (
     write_progress,
     write_scalars,
 )
+from training.sequence.evaluate import SplitInputs, load_split_inputs
 from training.sequence.registry import sequence_model
 from training.sequence.sasrec import ARCHITECTURE_ARGS
+from training.sequence.validation import (
+    VALID_SPLIT,
+    Selection,
+    ValidationSpec,
+    rank_valid_split,
+    read_curve,
+    select_best,
+    write_curve,
+)
 
 CHECKPOINT_TAG = "final"
 
@@ -143,6 +153,11 @@ class PipelineSpec(BaseModel):
     config_fingerprint: str = Field(
         default="", description="What a resume must match (training.sequence.train)."
     )
+    valid: ValidationSpec | None = Field(
+        default=None,
+        description="In-training validation (train.eval_every_epochs); None: none, the "
+        "last weights are the model.",
+    )
     chaos: dict[str, Any] = Field(
         default={}, description="Fault injection of the chaos tests (training.runtime.launcher)."
     )
@@ -159,6 +174,9 @@ class PipelineSpec(BaseModel):
             )
         if self.train_config.checkpoint_every and self.checkpoint_root is None:
             raise ValueError("train_config.checkpoint_every needs checkpoint_root")
+        if self.valid is not None and self.checkpoint_root is None:
+            # The best weights are kept as a resume checkpoint.
+            raise ValueError("valid (train.eval_every_epochs) needs checkpoint_root")
         return self
 
 
@@ -268,11 +286,24 @@ def layer_base_seed(seed: int) -> int:
 @dataclass
 class _Resume:
     """A run's resume state: the store and SIGTERM agreement (None without
-    train.checkpoint_every) and the step it continues from (0: a fresh start)."""
+    train.checkpoint_every or validation) and the step it continues from (0: a fresh
+    start)."""
 
     store: CheckpointStore | None
     preemption: Preemption | None
     start: int
+
+
+@dataclass
+class _Validation:
+    """A run's in-training validation (every rank holds the same): the valid curve so
+    far, as `validation.json` records it, the valid split once loaded, and the
+    reason training stopped early ("" while it goes on)."""
+
+    spec: ValidationSpec
+    curve: list[dict[str, float]]
+    inputs: SplitInputs | None = None
+    stop_reason: str = ""
 
 
 def run(spec: PipelineSpec) -> None:
@@ -295,11 +326,14 @@ def run(spec: PipelineSpec) -> None:
     )
     data = micro_batches(spec, replica, replicas)
     resume = _start_resume(spec, engine, module, data)
-    losses, seconds = _train_steps(spec, engine, data, resume, rank, world_size, replicas)
+    validation = _start_validation(spec, resume, rank)
+    losses, seconds = _train_steps(
+        spec, engine, data, resume, validation, rank, world_size, replicas
+    )
     _save_pipeline_checkpoint(spec, engine)
     dist.barrier()  # every stage's layer files are on disk
     if rank == 0:
-        _write_outputs(spec, module, losses, seconds, resume.start, world_size, replicas)
+        _write_outputs(spec, module, losses, seconds, resume, validation, world_size, replicas)
     dist.barrier()  # rank 0's files are written before any rank exits
 
 
@@ -356,10 +390,12 @@ def _start_resume(
 ) -> _Resume:
     """Every rank: continue from the newest valid resume checkpoint, if resuming is on.
 
-    The micro batch stream is replayed up to the checkpoint's step.
+    Resuming is on with train.checkpoint_every and with validation (whose best weights
+    are resume checkpoints). The micro batch stream is replayed up to the checkpoint's
+    step.
     """
     config = spec.train_config
-    if not config.checkpoint_every or spec.checkpoint_root is None:
+    if spec.checkpoint_root is None or not (config.checkpoint_every or spec.valid):
         return _Resume(None, None, 0)
     store = CheckpointStore(spec.checkpoint_root, keep=config.keep_checkpoints, log=print)
     start = _resume(store, spec, engine, module)
@@ -368,19 +404,53 @@ def _start_resume(
     return _Resume(store, Preemption(engine.device), start)
 
 
+def _start_validation(spec: PipelineSpec, resume: _Resume, rank: int) -> _Validation | None:
+    """Every rank: the valid curve up to the resume step; the best step's checkpoint pinned.
+
+    A run killed after saving a validation step's checkpoint but before recording its
+    evaluation resumes from that checkpoint: its evaluation is done now, on the same
+    weights the uninterrupted run evaluated.
+    """
+    if spec.valid is None or resume.store is None:
+        return None
+    config = spec.train_config
+    validation = _Validation(spec.valid, read_curve(resume.store.root, resume.start))
+    evaluated = {point["step"] for point in validation.curve}
+    if resume.start and _is_validation_step(spec, resume.start) and resume.start not in evaluated:
+        _validate(spec, resume.store, validation, resume.start, rank, None)
+    elif validation.curve:
+        selection = _selection(validation, config)
+        resume.store.pin([selection.best_step])
+        validation.stop_reason = selection.reason
+    return validation
+
+
+def _selection(validation: _Validation, config: TrainConfig) -> Selection:
+    """The best step of the curve so far and whether to stop (`select_best`)."""
+    curve = [(point["step"], point["value"]) for point in validation.curve]
+    return select_best(curve, config.patience, config.select_metric)
+
+
+def _is_validation_step(spec: PipelineSpec, step: int) -> bool:
+    """Whether the ranks evaluate the valid split after `step` (always at the last)."""
+    return spec.valid is not None and (step % spec.valid.every_steps == 0 or step == spec.steps)
+
+
 def _train_steps(
     spec: PipelineSpec,
     engine: Any,
     data: Iterator[Any],
     resume: _Resume,
+    validation: _Validation | None,
     rank: int,
     world_size: int,
     replicas: int,
 ) -> tuple[list[float], float]:
     """Every rank: the optimizer steps after resume.start; returns their losses and seconds.
 
-    Saves resume checkpoints every train.checkpoint_every steps and on SIGTERM, and
-    reports progress every train.log_every steps (rank 0 writes it).
+    Saves resume checkpoints every train.checkpoint_every steps, at every validation
+    step and on SIGTERM; validates (stopping early when train.patience says so); reports
+    progress every train.log_every steps (rank 0 writes it).
 
     Raises:
         Preempted: SIGTERM arrived; the resume checkpoint of that step is committed.
@@ -396,10 +466,17 @@ def _train_steps(
     started = window_started = time.monotonic()
     try:
         for step in range(resume.start + 1, spec.steps + 1):
+            if validation is not None and validation.stop_reason:
+                break  # a resumed run whose curve had already stopped it
             # The last stage computes the loss; the engine broadcasts it to every stage.
             losses.append(float(engine.train_batch(data_iter=data)))
             _checkpoint_step(spec, engine, resume, step)
-            if spec.train_log is None or (step % config.log_every and step != spec.steps):
+            if validation is not None and resume.store is not None:
+                if _is_validation_step(spec, step):
+                    _validate(spec, resume.store, validation, step, rank, writer)
+            if spec.train_log is None or (
+                step % config.log_every and step != spec.steps and not _stopping(validation)
+            ):
                 continue
             # Every rank reaches this collective at the same step.
             rss_mb = gather_rss_mb(rank, world_size)
@@ -429,17 +506,86 @@ def _train_steps(
     return losses, time.monotonic() - started
 
 
+def _stopping(validation: _Validation | None) -> bool:
+    return validation is not None and bool(validation.stop_reason)
+
+
+def _validate(
+    spec: PipelineSpec,
+    store: CheckpointStore,
+    validation: _Validation,
+    step: int,
+    rank: int,
+    writer: Any,
+) -> None:
+    """Every rank: rank the valid split with the weights of step's checkpoint; record it.
+
+    Every rank rebuilds the whole model from the checkpoint's layer files (each stage
+    holds only its layers) and ranks its share of the valid users
+    (`rank_valid_split`); all get the same metric, so all take the same decision.
+    Rank 0 appends it to `validation.json` (by rename) and TensorBoard; every rank pins
+    the best step's checkpoint against retention and sets `stop_reason` when
+    train.patience validations passed without improvement.
+    """
+    config = spec.train_config
+    model = _checkpoint_model(spec, store.checkpoint_dir(step) / DENSE_TAG)
+    if validation.inputs is None:
+        validation.inputs = load_split_inputs(
+            VALID_SPLIT, model, spec.architecture, validation.spec.sequences_dir
+        )
+    value = rank_valid_split(
+        model, validation.inputs, validation.spec.protocol, config.select_metric
+    )
+    epoch = step / validation.spec.steps_per_epoch
+    validation.curve.append({"step": step, "epoch": epoch, "value": value})
+    selection = _selection(validation, config)
+    store.pin([selection.best_step])
+    validation.stop_reason = selection.reason
+    if rank == 0:
+        write_curve(store.root, validation.curve, config.select_metric)
+        print(
+            f"validation at step {step} (epoch {epoch:.2f}): {config.select_metric}={value:.6g}, "
+            f"best step {selection.best_step} ({selection.best_value:.6g})"
+            + (f"; {selection.reason}" if selection.stop else ""),
+            flush=True,
+        )
+    if writer is not None:
+        writer.add_scalar(f"valid/{config.select_metric}", value, step)
+        writer.add_scalar(f"valid/best_{config.select_metric}", selection.best_value, step)
+        writer.add_scalar("valid/best_step", selection.best_step, step)
+        if selection.stop:
+            writer.add_text("valid/stop_reason", selection.reason, step)
+        writer.flush()
+
+
+def _checkpoint_model(spec: PipelineSpec, tag_dir: Path) -> nn.Module:
+    """The whole model (fp32, eval mode) from a pipeline checkpoint's layer files."""
+    to_model = sequence_model(spec.train_config.model).pipeline_state_to_model
+    state = consolidate_pipeline_checkpoint(tag_dir, to_model)
+    model = build_model(spec)
+    # bf16 runs save bf16 weights; the evaluation scores in fp32, as evaluate does.
+    model.load_state_dict(
+        {name: t.float() if t.is_floating_point() else t for name, t in state.items()}
+    )
+    return model.eval()
+
+
 def _checkpoint_step(spec: PipelineSpec, engine: Any, resume: _Resume, step: int) -> None:
     """Every rank, after a step: save a resume checkpoint when one is due or SIGTERM came.
+
+    One is due every train.checkpoint_every steps and at every validation step (the
+    validation ranks its weights, and the best of them is kept), the last included.
 
     Raises:
         Preempted: SIGTERM arrived (after the checkpoint is committed).
     """
     # Every rank takes part in the agreement, even at the last step.
     stop = resume.preemption is not None and resume.preemption.agreed()
-    if resume.store is None or step >= spec.steps:
+    validating = _is_validation_step(spec, step)
+    if resume.store is None or (step >= spec.steps and not validating):
         return  # the final state is saved anyway
-    if step % spec.train_config.checkpoint_every == 0 or stop:
+    every = spec.train_config.checkpoint_every
+    if (every and step % every == 0) or stop or validating:
         counters = {"step": step, "micro_done": step * spec.train_config.grad_accum_steps}
         save_resume_checkpoint(
             resume.store,
@@ -476,35 +622,64 @@ def _write_outputs(
     module: PipelineModule,
     losses: list[float],
     seconds: float,
-    start: int,
+    resume: _Resume,
+    validation: _Validation | None,
     world_size: int,
     replicas: int,
 ) -> None:
-    """Rank 0: the consolidated weights (with weights_file) and the run summary (`out`)."""
+    """Rank 0: the consolidated weights (with weights_file) and the run summary (`out`).
+
+    With validation the weights are the best validation step's checkpoint, not the
+    last step's.
+    """
     config = spec.train_config
+    start = resume.start
+    last_step = start + len(losses)  # below spec.steps when stopped early
+    selection = None
+    if validation is not None and validation.curve:
+        selection = _selection(validation, config)
     if spec.checkpoint_dir is not None and spec.weights_file is not None:
         to_model = sequence_model(config.model).pipeline_state_to_model
-        state = consolidate_pipeline_checkpoint(spec.checkpoint_dir / CHECKPOINT_TAG, to_model)
+        if selection is not None and resume.store is not None:
+            tag_dir = resume.store.checkpoint_dir(selection.best_step) / DENSE_TAG
+        else:
+            tag_dir = spec.checkpoint_dir / CHECKPOINT_TAG
+        state = consolidate_pipeline_checkpoint(tag_dir, to_model)
         spec.weights_file.parent.mkdir(parents=True, exist_ok=True)
         write_model_weights(state, spec, spec.weights_file)
     samples_per_step = config.batch_size * config.grad_accum_steps * replicas
     window = min(len(losses), config.log_every)
-    done = spec.steps - start  # this run's steps
     record = {
         "losses": losses,  # from step start + 1 on
-        "final_loss": sum(losses[-window:]) / window,
-        "steps": spec.steps,
-        "samples": spec.steps * samples_per_step,
-        "samples_per_s": done * samples_per_step / max(seconds, 1e-9),
+        "final_loss": sum(losses[-window:]) / window if window else None,
+        "steps": last_step,
+        "planned_steps": spec.steps,
+        "samples": last_step * samples_per_step,
+        "samples_per_s": len(losses) * samples_per_step / max(seconds, 1e-9),
         "resumed_from_step": start or None,
         "world_size": world_size,
         "num_stages": config.pipeline_stages,
         "parts": [int(part) for part in module.parts],
         "seconds": seconds,
         # One phase: the pipeline engine runs forward, backward and step as one call.
-        "step_ms": {"step": 1000.0 * seconds / max(spec.steps, 1)},
+        "step_ms": {"step": 1000.0 * seconds / max(len(losses), 1)},
         "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+    if validation is not None and selection is not None:
+        best_epoch = selection.best_step / validation.spec.steps_per_epoch
+        record["validation"] = {
+            "metric": config.select_metric,
+            "split": VALID_SPLIT,
+            "every_steps": validation.spec.every_steps,
+            "curve": validation.curve,
+            "best_step": selection.best_step,
+            "best_epoch": best_epoch,
+            "best_value": selection.best_value,
+            "stopped_early": selection.stop,
+            "stop_reason": selection.reason
+            or f"trained every planned step ({spec.steps}); the weights are step "
+            f"{selection.best_step}'s, the best {config.select_metric}",
+        }
     spec.out.parent.mkdir(parents=True, exist_ok=True)
     spec.out.write_text(json.dumps(record, indent=2) + "\n")
 

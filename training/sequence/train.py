@@ -54,8 +54,10 @@ from training.runtime.memory import (
     human_bytes,
 )
 from training.runtime.stage import NOT_FINGERPRINTED, LaunchPlan, resume_root, run_train_stage
+from training.sequence.evaluate import ITEM_COUNTS_FILE
 from training.sequence.pipeline_worker import PipelineSpec
 from training.sequence.registry import sequence_model
+from training.sequence.validation import VALID_SPLIT, ValidationSpec, validation_protocol
 
 WORKER = "training.sequence.pipeline_worker"
 SEQUENCES_META_FILE = "sequences.json"
@@ -141,6 +143,42 @@ def plan_sequence_steps(config: TrainConfig, train_rows: int) -> int:
         return config.max_steps
     per_step = config.batch_size * config.grad_accum_steps * replicas
     return max(1, math.ceil(config.epochs * train_rows / per_step))
+
+
+def plan_validation(
+    config: TrainConfig, sequences_dir: Path, train_rows: int
+) -> ValidationSpec | None:
+    """How the ranks validate: every `train.eval_every_epochs` epochs, in steps.
+
+    Args:
+        config: The train config.
+        sequences_dir: Preprocess's `sequences/` (valid.parquet, train_item_counts.npy).
+        train_rows: Train sequences (an epoch is one pass over them).
+
+    Returns:
+        The validation spec, or None when `train.eval_every_epochs` is 0.
+
+    Raises:
+        InputNotFoundError: The valid split or the item counts are missing.
+    """
+    if not config.eval_every_epochs:
+        return None
+    for name in (f"{VALID_SPLIT}.parquet", ITEM_COUNTS_FILE):
+        if not (sequences_dir / name).is_file():
+            raise InputNotFoundError(
+                f"{sequences_dir / name} does not exist, and train.eval_every_epochs="
+                f"{config.eval_every_epochs} ranks the valid split; rerun preprocess with a "
+                "valid split (e.g. preprocess.split: leave_last_out) or set "
+                "train.eval_every_epochs: 0"
+            )
+    per_step = config.batch_size * config.grad_accum_steps * config.data_parallel_size()
+    steps_per_epoch = train_rows / per_step
+    return ValidationSpec(
+        sequences_dir=sequences_dir,
+        every_steps=max(1, round(config.eval_every_epochs * steps_per_epoch)),
+        steps_per_epoch=steps_per_epoch,
+        protocol=validation_protocol(config),
+    )
 
 
 def plan_sequence_memory(
@@ -333,6 +371,7 @@ def plan_sequence_run(
         out_dir,
         sequences_dir=sequences_dir,
         checkpoint_root=root,
+        valid=plan_validation(config, sequences_dir, train_rows),
         # CPU ranks share this machine's cores; on GPUs torch's default is right.
         intra_op_threads=(
             max(1, (os.cpu_count() or 1) // config.world_size) if accelerator == "cpu" else None
@@ -351,6 +390,7 @@ def build_pipeline_spec(
     checkpoint_root: Path | None = None,
     intra_op_threads: int | None = None,
     chaos: Mapping[str, Any] | None = None,
+    valid: ValidationSpec | None = None,
 ) -> PipelineSpec:
     """The launch spec of a pipeline run, with its outputs under `out_dir`.
 
@@ -363,6 +403,7 @@ def build_pipeline_spec(
         checkpoint_root: The resume checkpoints' directory; default `out_dir/resume`.
         intra_op_threads: torch threads per rank; None: torch's default.
         chaos: The chaos tests' fault injection (`chaos_settings`).
+        valid: In-training validation (`plan_validation`); None: none.
 
     Returns:
         The spec, its `config_fingerprint` set.
@@ -387,6 +428,7 @@ def build_pipeline_spec(
         weights_file=out_dir / WEIGHTS_FILE,
         checkpoint_root=resume_root(checkpoint_root, out_dir),
         chaos=dict(chaos or {}),
+        valid=valid,
     )
     return spec.model_copy(update={"config_fingerprint": sequence_fingerprint(spec)})
 

@@ -93,6 +93,21 @@ def test_keep_one(tmp_path: Path) -> None:
     assert steps_on_disk(tmp_path) == [2]
 
 
+def test_a_pinned_checkpoint_survives_retention_until_unpinned(store: CheckpointStore) -> None:
+    save(store, 100)
+    store.pin([100])  # e.g. the best validation step
+    for step in (200, 300, 400):
+        save(store, step)
+    assert steps_on_disk(store.root) == [100, 300, 400]
+    assert store.with_fault(lambda point: None)._pinned == {100}  # the fault hook keeps pins
+    assert store.latest_valid().step == 400  # a pin does not change the resume point
+    store.pin([300])
+    save(store, 500)
+    assert steps_on_disk(store.root) == [300, 400, 500]
+    save(store, 600)
+    assert steps_on_disk(store.root) == [300, 500, 600]
+
+
 def test_retention_never_counts_invalid_checkpoints(store: CheckpointStore) -> None:
     save(store, 100)
     save(store, 200)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -27,7 +28,7 @@ from pydantic import ValidationError
 
 import training.ctr.worker
 import training.sequence.pipeline_worker
-from data_prep.errors import ConfigError
+from data_prep.errors import ConfigError, InputNotFoundError
 from tests.training.conftest import write_shards
 from training.config import TrainConfig
 from training.ctr.train import plan_ctr_run
@@ -83,6 +84,12 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "world_size": ({}, {"world_size": 4}),
     "seed": ({}, {"seed": 1}),
     "log_every": ({}, {"log_every": 5}),
+    "eval_every_epochs": ({}, {"eval_every_epochs": 0.5}),
+    # Validation settings mean something only with validation on.
+    "patience": ({"eval_every_epochs": 1}, {"patience": 2}),
+    "select_metric": ({"eval_every_epochs": 1}, {"select_metric": "hr@5_sampled"}),
+    "valid_num_negatives": ({"eval_every_epochs": 1}, {"valid_num_negatives": 20}),
+    "valid_negatives_seed": ({"eval_every_epochs": 1}, {"valid_negatives_seed": 1}),
 }
 
 # Where the sequence models' base (the defaults) needs another change than DLRM's.
@@ -109,7 +116,15 @@ CTR_ONLY = {
     # Needs fp16, which the pipeline engine does not train in.
     "loss_scale",
 }
-SEQUENCE_ONLY = {"sequence", "pipeline_stages"}
+SEQUENCE_ONLY = {
+    "sequence",
+    "pipeline_stages",
+    "eval_every_epochs",
+    "patience",
+    "select_metric",
+    "valid_num_negatives",
+    "valid_negatives_seed",
+}
 REFUSED = {"dlrm": SEQUENCE_ONLY, "sasrec": CTR_ONLY, "bst": CTR_ONLY}
 
 # Fields a rank reads through a derived value of the config.
@@ -131,6 +146,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (sequences / "sequences.json").write_text(json.dumps({"num_items": 50, "max_length": 8}))
     histories = [[1 + (u + i) % 49 for i in range(2 + u % 7)] for u in range(64)]
     pq.write_table(pa.table({"user": range(64), "history": histories}), sequences / "train.parquet")
+    # The valid split and the item counts that in-training validation reads.
+    valid = {"user": range(4), "history": histories[:4], "target": [1, 2, 3, 0]}
+    pq.write_table(pa.table({**valid, "seen": histories[:4]}), sequences / "valid.parquet")
+    np.save(sequences / "train_item_counts.npy", np.ones(50, dtype=np.int64))
     return {"dlrm": shards, "sasrec": sequences, "bst": sequences}
 
 
@@ -185,6 +204,50 @@ def test_a_field_reaches_the_ranks_or_is_refused(
     assert read_as in source, (
         f"train.{field} changes nothing the {family} ranks are given and they do not read it"
     )
+
+
+@pytest.mark.parametrize("field", ["patience", "select_metric", "valid_num_negatives"])
+def test_a_validation_setting_without_validation_is_refused(field: str) -> None:
+    _, changed = CHANGES[field]
+    with pytest.raises(ValidationError, match=f"train.{field}=.* needs in-training validation"):
+        TrainConfig(**BASES["sasrec"], **changed)
+
+
+@pytest.mark.parametrize(
+    ("family", "metric", "refusal"),
+    [
+        ("sasrec", "auc", "not a ranking metric"),
+        ("sasrec", "ndcg@0_sampled", "not a ranking metric"),
+        ("sasrec", "ndcg@10", "not a ranking metric"),
+        ("bst", "ndcg@10_full", "BST ranks sampled negatives only"),
+    ],
+)
+def test_a_select_metric_that_cannot_be_computed_is_refused(
+    family: str, metric: str, refusal: str
+) -> None:
+    with pytest.raises(ValidationError, match=f"train.select_metric={metric!r}.*{refusal}"):
+        TrainConfig(**BASES[family], eval_every_epochs=1, select_metric=metric)
+    assert TrainConfig(**BASES["sasrec"], eval_every_epochs=1, select_metric="mrr_full")
+
+
+def test_validation_is_planned_in_steps_of_the_train_epochs(
+    data: dict[str, Path], tmp_path: Path
+) -> None:
+    # 64 train sequences, 8 per replica and 2 replicas: 4 steps an epoch.
+    config = TrainConfig(
+        **BASES["sasrec"], eval_every_epochs=0.5, select_metric="hr@5_sampled", max_steps=9
+    )
+    valid = plan_of("sasrec", data, tmp_path)(config).spec["valid"]
+    assert valid["every_steps"] == 2 and valid["steps_per_epoch"] == 4.0
+    assert valid["protocol"]["split"] == "valid" and valid["protocol"]["ks"] == [5]
+    assert valid["protocol"]["num_negatives"] == 100 and not valid["protocol"]["full_ranking"]
+    assert plan_of("sasrec", data, tmp_path)(TrainConfig(**BASES["sasrec"])).spec["valid"] is None
+    (data["sasrec"] / "valid.parquet").rename(tmp_path / "moved.parquet")
+    try:
+        with pytest.raises(InputNotFoundError, match="valid.parquet does not exist.*"):
+            plan_of("sasrec", data, tmp_path)(config)
+    finally:
+        (tmp_path / "moved.parquet").rename(data["sasrec"] / "valid.parquet")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
