@@ -359,15 +359,27 @@ def test_tiny_pipeline_on_s3_killed_in_train_resumes_from_s3_then_is_all_cached(
     assert again["metrics"] == record["metrics"] and again["model"] == record["model"]
 
 
-@pytest.mark.slow
-def test_recforge_run_on_a_missing_bucket_fails_at_once_naming_the_url(
-    moto_endpoint: str, tmp_path: Path
+def test_a_run_on_a_missing_bucket_fails_at_the_plan_once_naming_the_url(
+    prefect_server: None, s3_root: str, tmp_path: Path
 ) -> None:
+    from flows.pipeline import pipeline
+
     root = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x"
-    started = time.monotonic()
-    run = recforge_run(root, tmp_path, s3_environment(moto_endpoint, tmp_path / "cache"))
-    out, err = run.communicate(timeout=300)
-    assert run.returncode != 0
-    assert f"cannot reach the artifact store {root}" in err
-    assert "Retry 1/" not in out + err  # failed once, at the plan, before any stage
-    assert time.monotonic() - started < 120
+    state = pipeline(
+        config=TINY, root=root, overrides=[f"ingest.path={tmp_path}"], return_state=True
+    )
+    assert state.is_failed()
+    with pytest.raises(StoreUnreachable, match=rf"cannot reach the artifact store {root}"):
+        state.result()
+    # The plan failed once (no retry), before any stage task started.
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])
+            )
+        )
+    assert [(r.name, r.state.name, r.run_count) for r in runs] == [("plan", "Failed", 1)]
+    assert not (tmp_path / "cache").exists()  # nothing staged locally either
