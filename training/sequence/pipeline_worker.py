@@ -43,6 +43,16 @@ pipeline module's micro batch counter is set to match, since DeepSpeed reseeds e
 layer's forward from it: the resumed run trains on the same batches with the same
 dropout masks.
 
+Validation (`valid` in the spec, from `train.eval_every_epochs`): at every validation
+step the ranks save a resume checkpoint, rebuild the whole model from its layer files,
+rank the valid split data-parallel over users and agree on the metric
+(`training.sequence.validation`); the best step's checkpoint is pinned against
+retention and is what `weights_file` is consolidated from, the curve is
+`validation.json` beside the resume checkpoints, and after `train.patience` validations
+without improvement the ranks stop early. `out` then also holds `validation` (the curve,
+the best step and epoch, why training stopped) and `steps` is the steps trained
+(`planned_steps` the plan).
+
 The only environment this process reads is what the launcher sets for
 `deepspeed.init_distributed`; fault injection arrives in the spec's `chaos`.
 """

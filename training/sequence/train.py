@@ -9,8 +9,9 @@ Reads `<sequences_dir>/sequences.json` and `train.parquet` (written by preproces
 - from the ranks (see `training.sequence.pipeline_worker`): `train_log.jsonl`,
   `tensorboard/` (with `train.tensorboard`), `checkpoints/final/` (DeepSpeed's
   pipeline checkpoint: one file per layer and the optimizer states),
-  `model.safetensors` (the stages consolidated into one fp32 model) and
-  `train_summary.json`.
+  `model.safetensors` (the stages consolidated into one fp32 model: with
+  `train.eval_every_epochs`, the best validation step's) and `train_summary.json`.
+  With validation the resume checkpoints' directory also holds `validation.json`.
 
 Layout: `train.pipeline_stages` stages, `world_size / pipeline_stages` data-parallel
 replicas (ZeRO stage 0 or 1), `train.batch_size` sequences per micro batch and replica,
