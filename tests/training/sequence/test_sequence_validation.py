@@ -12,14 +12,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from data_prep.errors import TrainingCrashed
 from training.config import EvaluateConfig, TrainConfig
 from training.runtime.files import RANKS_FILE
-from training.sequence.evaluate import evaluate_sequence_model
+from training.sequence.evaluate import evaluate_sequence_model, load_split_inputs
+from training.sequence.registry import SEQUENCE_MODEL_REGISTRY
 from training.sequence.train import train_sequence_model
-from training.sequence.validation import CURVE_FILE, read_curve, select_best, write_curve
+from training.sequence.validation import (
+    CURVE_FILE,
+    VALID_SPLIT,
+    rank_valid_split,
+    read_curve,
+    select_best,
+    validation_protocol,
+    write_curve,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -75,6 +84,58 @@ def test_the_curve_file_round_trips_and_a_resume_forgets_later_steps(tmp_path: P
     (tmp_path / CURVE_FILE).write_text("{")
     with pytest.raises(ValueError, match="is not a valid curve"):
         read_curve(tmp_path, 40)
+
+
+# --- the in-training metric is evaluate's ----------------------------------------------
+
+
+@pytest.fixture
+def process_group():
+    """A one-process gloo group, as the ranks have (rank_valid_split all-gathers)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
+    yield
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["sasrec", "bst"])
+def test_the_valid_metric_equals_evaluate_on_the_valid_split(
+    kind: str, tmp_path: Path, process_group: None
+) -> None:
+    seq_dir = tmp_path / "seq"
+    write_sequences(seq_dir)
+    model_config = {
+        "model": kind,
+        "num_items": NUM_ITEMS,
+        "max_length": MAX_LENGTH,
+        "hidden_dim": 8,
+        "num_blocks": 1,
+        "num_heads": 2,
+        "dropout": 0.0,
+        **({"mlp": [8]} if kind == "bst" else {}),
+    }
+    torch.manual_seed(0)
+    model = SEQUENCE_MODEL_REGISTRY[kind].build_model(model_config).eval()
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "model_config.json").write_text(json.dumps(model_config))
+    save_file(model.state_dict(), str(tmp_path / "train" / "model.safetensors"))
+    config = TrainConfig(
+        model=kind,
+        eval_every_epochs=1,
+        select_metric="ndcg@5_sampled",
+        valid_num_negatives=10,
+        valid_negatives_seed=3,
+    )
+    protocol = validation_protocol(config).model_copy(update={"ranking_block_users": 32})
+    inputs = load_split_inputs(VALID_SPLIT, model, model_config, seq_dir)
+    value = rank_valid_split(model, inputs, protocol, config.select_metric)
+    evaluated = evaluate_sequence_model(protocol, tmp_path / "train", seq_dir, tmp_path / "o")
+    assert value == evaluated.metrics["ndcg@5_sampled"]  # bit for bit
+    assert evaluated.metrics["num_users"] == USERS and evaluated.metrics["oov_targets"] == 1
 
 
 # --- a real 2-stage pipeline run, killed and resumed -----------------------------------
