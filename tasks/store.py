@@ -335,19 +335,10 @@ class ArtifactStore:
     def _publish_remote(
         self, stage: str, fp: str, staging: Path, meta: dict, files: dict, fault: Any
     ) -> dict:
-        """Upload files under a new data prefix, then the manifest (the commit point)."""
-        url = self.output_url(stage, fp)
-        previous = remote_manifest(url, strict=False)
-        data = f"data-{uuid.uuid4().hex[:12]}"
-        etags = upload_files(staging, list(files), join_url(url, data))
-        for rel, entry in files.items():
-            entry["etag"] = etags[rel]
-        fault("before-manifest")
-        manifest = {**_manifest(stage, fp, files, meta), "data": data}
-        write_json(join_url(url, MANIFEST), manifest)
-        if previous and previous.get("data") and previous["data"] != data:
-            # Nothing names the replaced output's objects any more.
-            remove_tree(join_url(url, previous["data"]))
+        """Upload the output, manifest last; the staging directory becomes its local copy."""
+        manifest = _publish_tree(
+            staging, self.output_url(stage, fp), _manifest(stage, fp, files, meta), fault
+        )
         _write_json_durable(staging / MANIFEST, manifest)
         _replace_dir(staging, self.output_dir(stage, fp))
         return manifest
@@ -421,17 +412,8 @@ class ArtifactStore:
         """
         if self.remote:
             local = materialize(package)
-            manifest = json.loads((local / MANIFEST).read_text())
             url = self.location("registry", model_name, version)
-            previous = remote_manifest(url, strict=False)
-            data = f"data-{uuid.uuid4().hex[:12]}"
-            files = {rel: dict(entry) for rel, entry in manifest["files"].items()}
-            etags = upload_files(local, list(files), join_url(url, data))
-            for rel, entry in files.items():
-                entry["etag"] = etags[rel]
-            write_json(join_url(url, MANIFEST), {**manifest, "files": files, "data": data})
-            if previous and previous.get("data") and previous["data"] != data:
-                remove_tree(join_url(url, previous["data"]))
+            _publish_tree(local, url, json.loads((local / MANIFEST).read_text()))
             return url
         final = self.root / "registry" / model_name / version
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -439,6 +421,30 @@ class ArtifactStore:
         shutil.copytree(package, staging)
         _replace_dir(staging, final)
         return final
+
+
+def _publish_tree(local: Path, url: str, manifest: dict, fault: Any = None) -> dict:
+    """Publish the files `manifest` lists from `local` at `url`, whole or not at all.
+
+    They go under a fresh data prefix, then the manifest naming it is written in one PUT
+    (the commit point); the objects of the manifest it replaces go last, once nothing
+    names them.
+
+    Returns:
+        The published manifest (with its data prefix and each object's ETag).
+    """
+    previous = remote_manifest(url, strict=False)
+    data = f"data-{uuid.uuid4().hex[:12]}"
+    files = {rel: dict(entry) for rel, entry in manifest["files"].items()}
+    etags = upload_files(local, list(files), join_url(url, data))
+    for rel, entry in files.items():
+        entry["etag"] = etags[rel]
+    (fault or _no_fault)("before-manifest")
+    published = {**manifest, "files": files, "data": data}
+    write_json(join_url(url, MANIFEST), published)
+    if previous and previous.get("data") and previous["data"] != data:
+        remove_tree(join_url(url, previous["data"]))
+    return published
 
 
 def materialize(location: str | Path) -> Path:
@@ -478,8 +484,8 @@ def materialize(location: str | Path) -> Path:
                 raise CorruptOutput(
                     f"{join_url(data, rel)} does not match its size and sha256 in "
                     f"{join_url(url, MANIFEST)}: the object changed after it was "
-                    "published. Look for the cause, then run "
-                    f"{manifest.get('stage', 'the stage')} again with --force to replace it"
+                    "published. Look for the cause, then run the stage again with "
+                    f"--force {manifest.get('stage', '<stage>')} to replace it"
                 )
         _write_json_durable(staging / MANIFEST, manifest)
         _replace_dir(staging, local)
