@@ -634,7 +634,7 @@ def filesystem(url: str) -> tuple[Any, str]:
         ) from err
 
 
-def _backend_errors() -> tuple[type[BaseException], ...]:
+def backend_errors() -> tuple[type[BaseException], ...]:
     """The exceptions object-store clients raise for a bad endpoint, credentials or bucket."""
     errors: list[type[BaseException]] = [OSError, ValueError]
     try:
@@ -649,7 +649,7 @@ def storage_errors(url: str) -> Iterator[None]:
     """Turn an object-store failure into `StoreUnreachable` naming `url` and what to set."""
     try:
         yield
-    except _backend_errors() as err:
+    except backend_errors() as err:
         raise StoreUnreachable(
             f"cannot reach the artifact store {url} ({type(err).__name__}: {err}). Check "
             "that the bucket exists, that credentials are set (for s3://: "

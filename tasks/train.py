@@ -39,6 +39,7 @@ from tasks.common import (
 from tasks.progress import format_resume_line, train_progress
 from tasks.store import (
     ArtifactStore,
+    backend_errors,
     download_files,
     filesystem,
     join_url,
@@ -154,7 +155,7 @@ class CheckpointMirror:
             while not stop.wait(MIRROR_EVERY_S):
                 try:
                     self.push()
-                except OSError as err:  # the final push reports what still fails
+                except backend_errors() as err:  # the final push reports what still fails
                     self._log(f"checkpoint upload to {self.url} failed, retrying: {err}")
 
         thread = threading.Thread(target=loop, name="checkpoint-mirror", daemon=True)
