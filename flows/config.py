@@ -8,7 +8,7 @@ file, the field and the offending value.
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from data_prep.drift import DriftConfig
 from data_prep.errors import ConfigError
@@ -44,6 +44,26 @@ class PipelineConfig(BaseModel):
         default=BlessConfig(),
         description="When an exported model may replace the registry's champion.",
     )
+
+    @model_validator(mode="after")
+    def _validation_matches_evaluation(self) -> "PipelineConfig":
+        """In-training validation must pick weights under the protocol they are tested with."""
+        if not self.train.eval_every_epochs:
+            return self
+        pairs = (
+            ("valid_num_negatives", "num_negatives"),
+            ("valid_negatives_seed", "negatives_seed"),
+        )
+        for train_field, evaluate_field in pairs:
+            train_value = getattr(self.train, train_field)
+            evaluate_value = getattr(self.evaluate, evaluate_field)
+            if train_value != evaluate_value:
+                raise ValueError(
+                    f"train.{train_field}={train_value} differs from evaluate."
+                    f"{evaluate_field}={evaluate_value}: the best weights would be chosen "
+                    "under another protocol than the test's; set both to the same value"
+                )
+        return self
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:

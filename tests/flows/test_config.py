@@ -45,3 +45,16 @@ def test_unknown_override_is_an_error():
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("configs/nope.yaml")
+
+
+def test_in_training_validation_must_use_the_test_protocol():
+    """Weights picked under another negatives protocol than the test's are refused."""
+    sasrec = str(REPO / "configs" / "tiny-sasrec.yaml")
+    on = ["train.eval_every_epochs=1", "train.valid_num_negatives=20"]  # evaluate's 20
+    assert load_config(sasrec, on).train.valid_num_negatives == 20
+    with pytest.raises(ConfigError, match="train.valid_num_negatives=20 differs from evaluate"):
+        load_config(sasrec, [*on, "evaluate.num_negatives=30"])
+    with pytest.raises(ConfigError, match="valid_negatives_seed=3 differs"):
+        load_config(sasrec, [*on, "train.valid_negatives_seed=3"])
+    # Without in-training validation the valid protocol is not used, so not checked.
+    load_config(sasrec, ["evaluate.num_negatives=30"])
