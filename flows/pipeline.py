@@ -341,6 +341,14 @@ def build_run_record(
             if out.meta.get("resumed_from_step") is not None:
                 # A train attempt that continued from a checkpoint says from where.
                 stages[stage]["resumed_from_step"] = out.meta["resumed_from_step"]
+            if "validation" in out.meta:
+                # A sequence model validated while training: which step's weights, and why
+                # training stopped (the curve is in the train output's train_summary.json).
+                validation = out.meta["validation"]
+                stages[stage]["validation"] = {
+                    key: validation[key]
+                    for key in ("metric", "best_step", "best_epoch", "best_value", "stop_reason")
+                }
         elif error is not None and stage == failed_at:
             stages[stage] = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
         else:

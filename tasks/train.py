@@ -50,6 +50,7 @@ from tasks.store import (
 from training.config import SEQUENCE_MODELS, TrainConfig
 from training.ctr.train import train_model
 from training.runtime.checkpoint import MANIFEST, CheckpointStore, checkpoint_name, parse_step
+from training.runtime.files import SUMMARY_FILE
 from training.runtime.launcher import (
     ERROR_PREFIX,
     RESUME_PREFIX,
@@ -346,6 +347,14 @@ def train_task(
                 f"under `{resume_root}`.",
                 description="Where this training run continued from",
             )
+        validation = _validation_record(out_dir)
+        if validation is not None:
+            create_markdown_artifact(
+                key="train-validation",
+                markdown=_validation_table(validation),
+                description="Valid-split metric by step, the best step (its weights are "
+                "the model) and why training stopped",
+            )
         # The stage output holds the final checkpoint; the resume checkpoints are spent.
         shutil.rmtree(resume_root, ignore_errors=True)
         if mirror is not None:
@@ -357,6 +366,31 @@ def train_task(
             "samples_per_s": result.samples_per_s,
             "seconds": result.seconds,
             "step_ms": result.step_ms,
+            # Sequence models with train.eval_every_epochs: best step, curve, stop reason.
+            **({"validation": validation} if validation is not None else {}),
         }
 
     return as_state(run_stage("train", fp, mode, root, produce))
+
+
+def _validation_record(out_dir: Path) -> dict | None:
+    """The in-training validation the ranks summarised, or None when there was none."""
+    summary_path = out_dir / SUMMARY_FILE
+    if not summary_path.is_file():
+        return None
+    return json.loads(summary_path.read_text()).get("validation")
+
+
+def _validation_table(validation: dict) -> str:
+    """A markdown table of the valid curve, the best step marked."""
+    metric = validation["metric"]
+    rows = "\n".join(
+        f"| {point['step']} | {point['epoch']:.1f} | {point['value']:.5f} | "
+        f"{'best' if point['step'] == validation['best_step'] else ''} |"
+        for point in validation["curve"]
+    )
+    return (
+        f"| step | epoch | valid {metric} | |\n|---|---|---|---|\n{rows}\n\n"
+        f"Best: step {validation['best_step']} (epoch {validation['best_epoch']:.1f}), "
+        f"{metric} {validation['best_value']:.5f}. {validation['stop_reason']}"
+    )

@@ -19,6 +19,8 @@ STAGES = ["ingest", "preprocess", "shard", "train", "evaluate", "export"]
 # tiny.yaml's synthetic log as behaviour sequences (200 users, leave-last-out) and a
 # 2-stage SASRec: the DLRM fields tiny.yaml sets are refused for sequence models.
 TINY_SEQUENCE = str(REPO / "configs" / "tiny-sasrec.yaml")
+# SASRec validated every epoch (a few steps) under evaluate's protocol (20 negatives).
+VALIDATION = ["train.eval_every_epochs=1", "train.valid_num_negatives=20"]
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +35,9 @@ def raw(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sequence_run(prefect_server, raw, tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
-    params = RunParams(config=TINY_SEQUENCE, root=str(root), overrides=[f"ingest.path={raw}"])
+    params = RunParams(
+        config=TINY_SEQUENCE, root=str(root), overrides=[f"ingest.path={raw}", *VALIDATION]
+    )
     return root, raw, json.loads(Path(pipeline(**params.model_dump())).read_text())
 
 
@@ -57,6 +61,15 @@ def test_sasrec_runs_every_stage_and_records_ranking_metrics(sequence_run):
     assert model_config["item_features"]["category"] > 2  # the side feature was used
     assert summary["samples_per_s"] > 0
     assert len((train / "train_log.jsonl").read_text().splitlines()) == 3  # steps 4, 8, 12
+    # The exported weights are the best validation's, and the run record says which.
+    validation = summary["validation"]
+    steps = [point["step"] for point in validation["curve"]]
+    assert len(steps) >= 2 and validation["best_step"] in steps
+    best = max(validation["curve"], key=lambda point: point["value"])
+    assert validation["best_value"] == best["value"]
+    recorded = record["stages"]["train"]["validation"]
+    assert recorded["best_step"] == validation["best_step"]
+    assert recorded["metric"] == "ndcg@10_sampled" and recorded["stop_reason"]
     layers = sorted(p.name for p in (train / "checkpoints" / "final").glob("layer_*"))
     assert len(layers) == 5  # table, input, 2 blocks, final norm; scoring shares the table
 
@@ -97,7 +110,7 @@ def test_rerun_from_evaluate_reuses_the_trained_pipeline(sequence_run):
         config=TINY_SEQUENCE,
         root=str(root),
         from_stage="evaluate",
-        overrides=[f"ingest.path={raw}"],
+        overrides=[f"ingest.path={raw}", *VALIDATION],
     )
     record = json.loads(Path(pipeline(**params.model_dump())).read_text())
     assert [record["stages"][s]["status"] for s in STAGES] == ["cached"] * 4 + ["ran"] * 2
