@@ -7,7 +7,15 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
+from tasks.common import (
+    Mode,
+    StageOutput,
+    as_state,
+    local_dir,
+    run_stage,
+    stage_fingerprint,
+    task_options,
+)
 from training.config import EvaluateConfig
 from training.ctr.evaluate import evaluate_model
 from training.runtime.launcher import free_port
@@ -45,10 +53,10 @@ def evaluate_task(
 
     def produce(out_dir: Path) -> dict:
         if model in SEQUENCE_MODEL_REGISTRY:
-            sequences = Path(preprocess.output) / "sequences"
+            sequences = local_dir(preprocess) / "sequences"
             result = evaluate_sequence_model(
                 config,
-                Path(train.output),
+                local_dir(train),
                 sequences,
                 out_dir,
                 # Only used when evaluate.workers > 1 starts ranks.
@@ -58,11 +66,11 @@ def evaluate_task(
         else:
             result = evaluate_model(
                 config,
-                Path(train.output),
-                Path(shard.output),
+                local_dir(train),
+                local_dir(shard),
                 out_dir,
                 # Names slice values by their raw value (slice/city=Paris, not #3).
-                transform_path=Path(preprocess.output) / "transform.json",
+                transform_path=local_dir(preprocess) / "transform.json",
                 # Only used when evaluate.workers > 1 starts ranks.
                 env=dict(os.environ),
                 master_port=free_port(),

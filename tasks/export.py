@@ -5,7 +5,15 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
+from tasks.common import (
+    Mode,
+    StageOutput,
+    as_state,
+    local_dir,
+    run_stage,
+    stage_fingerprint,
+    task_options,
+)
 from tasks.store import ArtifactStore
 from training.config import ExportConfig
 from training.ctr.export import export_model
@@ -53,14 +61,14 @@ def export_task(
     fp = stage_fingerprint("export", section, upstream)
 
     def produce(out_dir: Path) -> dict:
-        preprocessed = Path(preprocess.output)
+        preprocessed = local_dir(preprocess)
         if model in SEQUENCE_MODEL_REGISTRY:
             sequence_args = (
-                Path(train.output),
+                local_dir(train),
                 preprocessed / "transform.json",
                 preprocessed / "sequences",
                 item_field,
-                Path(evaluate.output) / "metrics.json",
+                local_dir(evaluate) / "metrics.json",
                 out_dir,
             )
             if not sequence_model(model).full_ranking:
@@ -76,13 +84,13 @@ def export_task(
             }
         result = export_model(
             config,
-            Path(train.output),
+            local_dir(train),
             preprocessed / "transform.json",
-            Path(shard.output),
-            Path(evaluate.output) / "metrics.json",
+            local_dir(shard),
+            local_dir(evaluate) / "metrics.json",
             out_dir,
-            events_dir=Path(ingest.output) / "events" if ingest is not None else None,
-            evaluate_dir=Path(evaluate.output),
+            events_dir=local_dir(ingest) / "events" if ingest is not None else None,
+            evaluate_dir=local_dir(evaluate),
         )
         infra = result.infra_validation
         return {
@@ -94,11 +102,12 @@ def export_task(
     if output.status == "skipped":
         return as_state(output)
     store = ArtifactStore(root)
-    model_dir = store.root / "registry" / config.model_name / fp[:12]
-    if output.status == "ran" or not (model_dir / "_manifest.json").exists():
-        model_dir = store.publish_model(config.model_name, fp[:12], Path(output.output))
+    model_dir = store.model_location(config.model_name, fp[:12])
+    if output.status == "ran" or not store.is_model_published(config.model_name, fp[:12]):
+        model_dir = store.publish_model(config.model_name, fp[:12], output.output)
     output = output.model_copy(update={"meta": {**output.meta, "model": str(model_dir)}})
-    card = Path(output.output) / "model_card.md"
+    # The package's local side: itself, or its copy on this machine for a remote root.
+    card = store.output_dir("export", fp) / "model_card.md"
     create_markdown_artifact(
         key="model-card",
         markdown=card.read_text() if card.exists() else f"Model package: {model_dir}",
