@@ -27,7 +27,8 @@ Pipeline form (`build_pipeline_layers`): the same function as a list of
     layer 1           SequenceInputPipe   -> (hidden, history, positives, negatives)
     layers 2..2+K-1   TransformerBlockPipe (one per block, same tuple)
     layer 2+K         FinalNormPipe       -> (hidden, history, positives, negatives)
-    layer 3+K         TiedLayerSpec "item_embedding" (scoring) -> logits (B, L, 1 + N)
+    layer 3+K         TiedLayerSpec "item_embedding" (scoring) -> logits (B, L, 1 + N),
+                                                 0 where positives is 0 (not scored)
 
 The integer tensors ride along unchanged (DeepSpeed sends no gradient for them); only
 `hidden` carries a gradient between stages. The loss function of the PipelineModule
@@ -160,6 +161,35 @@ def candidates_of(positives: torch.Tensor, negatives: torch.Tensor) -> torch.Ten
     return torch.cat([positives.unsqueeze(-1), negatives], dim=-1)
 
 
+class MaskDropout(nn.Module):
+    """Inverted dropout whose keep mask comes from `torch.rand_like(x) >= p`.
+
+    The same distribution as `nn.Dropout` (each element kept with probability 1 - p and
+    scaled by 1 / (1 - p)) from the same generator, but about a third cheaper on CPU:
+    torch's `bernoulli_` draws a random number per element through a slow generic
+    path, and it is the largest single cost of a SASRec step there (`bench/sequence.py`).
+    The masks drawn differ from `nn.Dropout`'s for the same seed; in eval mode, or with
+    p = 0, the input is returned as is.
+
+    Args:
+        p: Probability of zeroing an element.
+    """
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = float(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x (...). Returns x with dropout applied in training mode, (...)."""
+        if not self.training or self.p == 0.0:
+            return x
+        keep = (torch.rand_like(x) >= self.p).to(x.dtype).mul_(1.0 / (1.0 - self.p))  # (...)
+        return x * keep
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position i sees positions <= i that are not padding.
 
@@ -183,7 +213,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.qkv = nn.Linear(hidden_dim, 3 * hidden_dim)
         self.out = nn.Linear(hidden_dim, hidden_dim)
-        self.out_dropout = nn.Dropout(dropout)
+        self.out_dropout = MaskDropout(dropout)
+        self.weights_dropout = MaskDropout(dropout)
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Attend.
@@ -195,23 +226,37 @@ class CausalSelfAttention(nn.Module):
         Returns:
             (B, L, D).
         """
-        batch, length, dim = x.shape
-        q, k, v = self.qkv(x).split(dim, dim=-1)  # 3 x (B, L, D)
+        return self.out_dropout(self.out(self.attend(self.qkv(x), valid)))
+
+    def attend(self, qkv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The attention of projected inputs, before the output projection.
+
+        Args:
+            qkv: (B, L, 3D) queries, keys and values (`self.qkv` of the normalised input).
+            valid: (B, L) bool, False at padding.
+
+        Returns:
+            (B, L, D) the heads' outputs side by side.
+        """
+        batch, length, dim = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = qkv.split(dim, dim=-1)  # 3 x (B, L, D)
         # (B, H, L, D/H)
         q, k, v = (t.view(batch, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
-        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()  # (L, L)
+        causal = torch.ones(length, length, dtype=torch.bool, device=qkv.device).tril()  # (L, L)
         # A float identity compared to 0: onnxruntime has no EyeLike kernel for bool.
-        eye = torch.eye(length, device=x.device) > 0
-        allowed = causal & (valid.unsqueeze(1) | eye)  # (B, L, L): query i, key j
-        attended = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=allowed.unsqueeze(1),  # (B, 1, L, L)
-            dropout_p=self.dropout if self.training else 0.0,
-        )  # (B, H, L, D/H)
-        attended = attended.transpose(1, 2).reshape(batch, length, dim)
-        return self.out_dropout(self.out(attended))
+        eye = torch.eye(length, device=qkv.device) > 0
+        allowed = (causal & (valid.unsqueeze(1) | eye)).unsqueeze(1)  # (B, 1, L, L): query, key
+        if self.training and self.dropout > 0.0:
+            # On CPU, scaled_dot_product_attention with dropout runs its math path, whose
+            # bernoulli_ mask is slow; the same softmax(q k^T / sqrt(D/H)) v spelled out
+            # with the cheaper MaskDropout. No row is fully masked (the diagonal is
+            # allowed), so the softmax needs no NaN guard.
+            scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, H, L, L)
+            weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+            attended = self.weights_dropout(weights) @ v  # (B, H, L, D/H)
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return attended.transpose(1, 2).reshape(batch, length, dim)
 
 
 class TransformerBlock(nn.Module):
@@ -221,10 +266,18 @@ class TransformerBlock(nn.Module):
         hidden_dim: D.
         num_heads: H.
         dropout: Dropout in attention and FFN.
+        pack_valid_rows: In training, run the position-wise parts on the non-padding
+            positions only (`_forward_valid_rows`): the same function, other float
+            rounding. SASRec's; BST keeps the full computation, whose 1-stage and
+            2-stage runs its tests pin to 1e-5 at a learning rate that amplifies any
+            rounding change.
     """
 
-    def __init__(self, hidden_dim: int, num_heads: int, dropout: float) -> None:
+    def __init__(
+        self, hidden_dim: int, num_heads: int, dropout: float, pack_valid_rows: bool = False
+    ) -> None:
         super().__init__()
+        self.pack_valid_rows = pack_valid_rows
         self.attention_norm = nn.LayerNorm(hidden_dim)
         self.attention = CausalSelfAttention(hidden_dim, num_heads, dropout)
         self.ffn_norm = nn.LayerNorm(hidden_dim)
@@ -232,17 +285,37 @@ class TransformerBlock(nn.Module):
         self.ffn = nn.Sequential(
             nn.Linear(hidden_dim, hidden_dim),
             nn.ReLU(),
-            nn.Dropout(dropout),
+            MaskDropout(dropout),
             nn.Linear(hidden_dim, hidden_dim),
-            nn.Dropout(dropout),
+            MaskDropout(dropout),
         )
 
     def forward(self, x: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """Args: x (B, L, D); history (B, L) item indices. Returns (B, L, D)."""
         valid = history != PADDING_ITEM  # (B, L)
+        if self.training and self.pack_valid_rows:
+            return self._forward_valid_rows(x, valid)
+        # Eval (and the exported graphs): static shapes, every position computed.
         x = x + self.attention(self.attention_norm(x), valid)
         x = x + self.ffn(self.ffn_norm(x))
         return x * valid.unsqueeze(-1)
+
+    def _forward_valid_rows(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The same function, position-wise parts on the M non-padding positions only.
+
+        About half of a left-padded batch is padding, whose outputs are zeroed anyway
+        and which attention never reads (padding keys are masked): norms, projections,
+        FFN and their dropout run on (M, D) rows, only attention on (B, L, .).
+        """
+        batch, length, dim = x.shape
+        kept = valid.nonzero(as_tuple=True)  # 2 x (M,)
+        rows = x[kept]  # (M, D)
+        qkv_rows = self.attention.qkv(self.attention_norm(rows))  # (M, 3D)
+        qkv = x.new_zeros(batch, length, 3 * dim).index_put(kept, qkv_rows)  # (B, L, 3D)
+        attended = self.attention.attend(qkv, valid)[kept]  # (M, D)
+        rows = rows + self.attention.out_dropout(self.attention.out(attended))
+        rows = rows + self.ffn(self.ffn_norm(rows))
+        return x.new_zeros(batch, length, dim).index_put(kept, rows)  # (B, L, D)
 
 
 class SequenceInput(nn.Module):
@@ -257,7 +330,7 @@ class SequenceInput(nn.Module):
     def __init__(self, max_length: int, hidden_dim: int, dropout: float) -> None:
         super().__init__()
         self.position_embedding = nn.Embedding(max_length, hidden_dim)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = MaskDropout(dropout)
         self.scale = math.sqrt(hidden_dim)
 
     def forward(self, item_vectors: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
@@ -311,7 +384,8 @@ class SASRec(nn.Module):
         self.item_features = ItemFeatures(num_items, hidden_dim, item_features or {})
         self.input = SequenceInput(max_length, hidden_dim, dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock(hidden_dim, num_heads, dropout) for _ in range(num_blocks)
+            TransformerBlock(hidden_dim, num_heads, dropout, pack_valid_rows=True)
+            for _ in range(num_blocks)
         )
         self.final_norm = nn.LayerNorm(hidden_dim)
 
@@ -495,10 +569,20 @@ class ItemEmbeddingPipe(nn.Module):
 def score_candidates_pipe(
     table: ItemEmbeddingPipe, inputs: tuple[torch.Tensor, ...]
 ) -> torch.Tensor:
-    """Last pipeline layer: (hidden, history, positives, negatives) -> logits (B, L, 1 + N)."""
+    """Last pipeline layer: (hidden, history, positives, negatives) -> logits (B, L, 1 + N).
+
+    Only the M positions with a positive are scored (about half of a left-padded
+    MovieLens batch); the others, which every loss ignores, get logits 0. The candidates'
+    vectors are gathered for those M positions only: (M, 1 + N, D) instead of
+    (B, L, 1 + N, D).
+    """
     hidden, _, positives, negatives = inputs
-    vectors = table.vectors(candidates_of(positives, negatives))  # (B, L, 1 + N, D)
-    return (vectors * hidden.unsqueeze(-2)).sum(dim=-1)
+    scored = (positives != PADDING_ITEM).nonzero(as_tuple=True)  # 2 x (M,)
+    candidates = candidates_of(positives[scored], negatives[scored])  # (M, 1 + N)
+    vectors = table.vectors(candidates)  # (M, 1 + N, D)
+    logits = (vectors * hidden[scored].unsqueeze(-2)).sum(dim=-1)  # (M, 1 + N)
+    out = hidden.new_zeros(*positives.shape, candidates.shape[-1])  # (B, L, 1 + N)
+    return out.index_put(scored, logits)
 
 
 class SequenceInputPipe(nn.Module):
@@ -517,9 +601,11 @@ class SequenceInputPipe(nn.Module):
 class TransformerBlockPipe(nn.Module):
     """`TransformerBlock` on the pipeline tuple (args as TransformerBlock)."""
 
-    def __init__(self, hidden_dim: int, num_heads: int, dropout: float) -> None:
+    def __init__(
+        self, hidden_dim: int, num_heads: int, dropout: float, pack_valid_rows: bool = False
+    ) -> None:
         super().__init__()
-        self.block = TransformerBlock(hidden_dim, num_heads, dropout)
+        self.block = TransformerBlock(hidden_dim, num_heads, dropout, pack_valid_rows)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """(hidden, history, positives, negatives) -> the same with hidden updated."""
@@ -584,7 +670,7 @@ def build_pipeline_layers(
         ),
         LayerSpec(SequenceInputPipe, max_length, hidden_dim, dropout),
         *(
-            LayerSpec(TransformerBlockPipe, hidden_dim, num_heads, dropout)
+            LayerSpec(TransformerBlockPipe, hidden_dim, num_heads, dropout, True)
             for _ in range(num_blocks)
         ),
         LayerSpec(FinalNormPipe, hidden_dim),

@@ -24,6 +24,8 @@ from training.sequence.pipeline_worker import (
     write_model_weights,
 )
 from training.sequence.sasrec import (
+    ItemEmbeddingPipe,
+    MaskDropout,
     SASRec,
     bce_loss,
     build_pipeline_layers,
@@ -32,6 +34,7 @@ from training.sequence.sasrec import (
     pipeline_state_to_sasrec,
     sample_negatives,
     sampled_softmax_loss,
+    score_candidates_pipe,
 )
 from training.sequence.train import build_pipeline_spec, sequence_model_config
 
@@ -213,6 +216,59 @@ def test_pipeline_layers_compute_sasrec() -> None:
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
     for loss in (bce_loss, sampled_softmax_loss):
         torch.testing.assert_close(loss(logits, positives), loss(expected, positives))
+
+
+def test_mask_dropout_keeps_with_probability_1_minus_p_and_rescales() -> None:
+    dropout = MaskDropout(0.25)
+    torch.manual_seed(0)
+    out = dropout(torch.ones(200_000))
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.75) < 0.005
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / 0.75))
+    x = torch.randn(4, 5)
+    assert dropout.eval()(x) is x
+    assert MaskDropout(0.0)(x) is x
+
+
+def test_training_attention_is_sdpa_when_its_dropout_draws_keep_everything() -> None:
+    """The hand-written training path (dropout on) against scaled_dot_product_attention."""
+    model = tiny_model(dropout=0.1)
+    for module in model.modules():
+        if isinstance(module, MaskDropout):
+            module.p = 0.0  # attention keeps its dropout=0.1: the training path runs
+    history, _, _ = tiny_batch()
+    with torch.no_grad():
+        expected = model.eval()(history)
+        got = model.train()(history)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_pipeline_scoring_equals_the_full_gather_at_scored_positions() -> None:
+    """Only positions with a positive are scored; values and gradients as the full gather."""
+    torch.manual_seed(0)
+    table = ItemEmbeddingPipe(50, 8, {"category": 5})
+    table.item_features.set_index({"category": CATEGORY})
+    with torch.no_grad():
+        table.weight[0] = 0.0
+        table.item_features.tables["category"].weight[0] = 1.0  # nonzero for the padding item
+    history, positives, negatives = tiny_batch()
+    hidden = torch.randn(*history.shape, 8, requires_grad=True)  # (B, L, D)
+
+    logits = score_candidates_pipe(table, (hidden, history, positives, negatives))
+    loss = sampled_softmax_loss(logits, positives)
+    grads = torch.autograd.grad(loss, [hidden, table.weight])
+
+    vectors = table.vectors(candidates_of(positives, negatives))  # (B, L, 1 + N, D)
+    reference = (vectors * hidden.unsqueeze(-2)).sum(dim=-1)  # (B, L, 1 + N)
+    expected_loss = sampled_softmax_loss(reference, positives)
+    expected_grads = torch.autograd.grad(expected_loss, [hidden, table.weight])
+
+    scored = positives != 0
+    torch.testing.assert_close(logits[scored], reference[scored], rtol=0, atol=1e-6)
+    assert torch.all(logits[~scored] == 0) and torch.any(reference[~scored] != 0)
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=1e-6)
+    for got, expected in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
 CATEGORY = torch.tensor([0, *[1 + item % 4 for item in range(1, 50)]])  # (V,) item -> category
