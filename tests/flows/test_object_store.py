@@ -19,6 +19,7 @@ import pytest
 
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
+from tasks.checkpoint_mirror import CheckpointMirror
 from tasks.registry import CHAMPION, ChampionMoved, Registry
 from tasks.store import (
     CACHE_DIR_ENV,
@@ -31,7 +32,6 @@ from tasks.store import (
     materialize,
     read_text,
 )
-from tasks.train import CheckpointMirror
 from training.runtime.checkpoint import CheckpointStore
 
 s3fs = pytest.importorskip("s3fs", reason="pip install -e '.[s3]'")

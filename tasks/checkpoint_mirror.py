@@ -1,0 +1,178 @@
+"""Mirror a train run's resume checkpoints between the ranks' local root and object storage.
+
+The ranks always write crash-safe checkpoints locally (`training.runtime.checkpoint`);
+with an object-store artifact root the train task pulls the newest remote checkpoint
+that verifies before they start, and uploads each committed one while they run, so a
+retry on another machine resumes from the store. Object storage has no rename: a remote
+checkpoint is committed when its manifest object exists (uploaded last).
+"""
+
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tasks.store import (
+    backend_errors,
+    download_files,
+    filesystem,
+    join_url,
+    read_text,
+    remove_tree,
+    upload_files,
+)
+from training.runtime.checkpoint import MANIFEST, CheckpointStore, checkpoint_name, parse_step
+
+# How often the mirror looks for newly committed checkpoints to upload.
+MIRROR_EVERY_S = 1.0
+
+
+class CheckpointMirror:
+    """Resume checkpoints of one training run, mirrored between a local root and a URL.
+
+    Args:
+        local_root: The ranks' checkpoint directory (`CheckpointStore` layout).
+        url: Where the checkpoints go, ``<root>/checkpoints/train/<fp>``.
+        keep: How many committed checkpoints the remote side keeps.
+        log: Receives one line per download, upload or skipped checkpoint.
+    """
+
+    def __init__(self, local_root: Path, url: str, keep: int, log: Callable[[str], None]) -> None:
+        self.local_root = local_root
+        self.url = url
+        self.keep = keep
+        self._log = log
+        self._uploaded: set[int] = set()
+
+    def pull(self) -> int | None:
+        """Download the newest remote checkpoint that verifies, unless one as new is local.
+
+        Each candidate is downloaded next to the local ones and verified (sizes and
+        sha256 against its manifest) before it is renamed into place; one that does not
+        verify is logged and the next older tried.
+
+        Returns:
+            The step downloaded, or None (nothing remote, or nothing newer).
+        """
+        local = max(self._local_steps(), default=-1)
+        for step in sorted(self._remote_steps(committed=True), reverse=True):
+            if step <= local:
+                return None
+            name = checkpoint_name(step)
+            scratch = self.local_root / ".staging" / "pull" / name
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            text = read_text(join_url(self._remote(step), MANIFEST)) or ""
+            try:
+                files = list(json.loads(text)["files"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                files = []  # verify names what is wrong with the manifest
+            download_files(self._remote(step), files, scratch)
+            (scratch / MANIFEST).write_text(text)
+            problem = CheckpointStore(self.local_root).verify(scratch)
+            if problem is not None:
+                self._log(f"checkpoint {self._remote(step)} does not verify ({problem}); skipped")
+                shutil.rmtree(scratch)
+                continue
+            # A local directory of this step without a manifest is an unfinished save.
+            shutil.rmtree(self.local_root / name, ignore_errors=True)
+            os.replace(scratch, self.local_root / name)
+            self._uploaded.add(step)
+            self._log(f"resume checkpoint of step {step} downloaded from {self._remote(step)}")
+            return step
+        return None
+
+    def push(self) -> None:
+        """Upload every committed local checkpoint not uploaded yet, then prune the remote.
+
+        Files go first, the manifest last: a remote checkpoint without its manifest is
+        an unfinished upload, never a resume point.
+        """
+        for step in sorted(self._local_steps()):
+            if step in self._uploaded:
+                continue
+            path = self.local_root / checkpoint_name(step)
+            remote = self._remote(step)
+            try:
+                manifest = (path / MANIFEST).read_text()
+                fs, remote_path = filesystem(remote)
+                # A step saved again (after a fallback) must not look committed half-way.
+                if fs.exists(f"{remote_path}/{MANIFEST}"):
+                    fs.rm(f"{remote_path}/{MANIFEST}")
+                upload_files(path, list(json.loads(manifest)["files"]), remote)
+                fs.pipe_file(f"{remote_path}/{MANIFEST}", manifest.encode())
+            except FileNotFoundError:
+                # Local retention removed it while it was read: a newer one exists.
+                continue
+            self._uploaded.add(step)
+            self._log(f"resume checkpoint of step {step} uploaded to {remote}")
+        self._prune()
+
+    @contextmanager
+    def pushing(self) -> Iterator[None]:
+        """Upload new checkpoints in a background thread while the block runs, and once
+        more at its end (also when it fails, so that a retry elsewhere can resume)."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(MIRROR_EVERY_S):
+                try:
+                    self.push()
+                except backend_errors() as err:  # the final push reports what still fails
+                    self._log(f"checkpoint upload to {self.url} failed, retrying: {err}")
+
+        thread = threading.Thread(target=loop, name="checkpoint-mirror", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            self.push()
+
+    def remove(self) -> None:
+        """Delete the remote checkpoints (the run finished; they are spent)."""
+        remove_tree(self.url)
+
+    def _remote(self, step: int) -> str:
+        return join_url(self.url, checkpoint_name(step))
+
+    def _local_steps(self) -> list[int]:
+        """Steps committed locally (a step directory holding its manifest)."""
+        if not self.local_root.is_dir():
+            return []
+        return [
+            step
+            for path in self.local_root.iterdir()
+            if (step := parse_step(path.name)) is not None and (path / MANIFEST).is_file()
+        ]
+
+    def _remote_steps(self, committed: bool) -> list[int]:
+        """Steps with a remote directory (`committed`: only those with their manifest)."""
+        fs, path = filesystem(self.url)
+        fs.invalidate_cache(path)
+        if not fs.exists(path):
+            return []
+        steps = []
+        for entry in fs.ls(path, detail=False):
+            step = parse_step(entry.rstrip("/").rsplit("/", 1)[-1])
+            if step is not None and (not committed or fs.exists(f"{entry}/{MANIFEST}")):
+                steps.append(step)
+        return steps
+
+    def _prune(self) -> None:
+        """Remove remote checkpoints older than the `keep` newest committed ones."""
+        committed = sorted(self._remote_steps(committed=True), reverse=True)
+        if len(committed) < self.keep:
+            return
+        cutoff = committed[self.keep - 1]
+        fs, _ = filesystem(self.url)
+        for step in self._remote_steps(committed=False):
+            if step < cutoff:
+                _, remote_path = filesystem(self._remote(step))
+                if fs.exists(f"{remote_path}/{MANIFEST}"):
+                    fs.rm(f"{remote_path}/{MANIFEST}")  # first: it stops being a resume point
+                remove_tree(self._remote(step))
