@@ -1,12 +1,22 @@
 """Shared fixtures: a tiny schema, and one Prefect test server per session."""
 
+import atexit
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Prefect keeps its database under PREFECT_HOME (default ~/.prefect). The CLI runs the
+# tests start as subprocesses, and their ephemeral APIs, would share that database with
+# everything else on the machine that runs Prefect; one migrated by another Prefect
+# version stops their server at start ("Can't locate revision"). Set before Prefect is
+# imported, so this process and every subprocess use the session's own.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="recforge-tests-prefect-home-")
+atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "datasets"
