@@ -160,7 +160,9 @@ def _rank_main(rank: int, world: int, port: int, out: str, optimizer: str, admis
 )
 def test_two_ranks_equal_one_process(tmp_path: Path, optimizer: str, admission: int) -> None:
     """Rows after 6 steps on 2 gloo ranks (batch 4 each) = 1 process with batch 8."""
-    context = mp.get_context("fork")
+    # Fresh interpreters, not forks: the test process runs threads (Prefect, moto, rich)
+    # by now, and a fork inherits whatever lock one of them held.
+    context = mp.get_context("spawn")
     port = _free_port()
     processes = [
         context.Process(
