@@ -19,14 +19,13 @@ merged), which the vocabularies need anyway.
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from data_prep.locations import Location, list_files, open_parquet
 from data_prep.schema import SchemaConfig
 
 OTHER = "__other__"
@@ -74,15 +73,16 @@ class DriftReport:
         return "; ".join(f"{f['column']}: {f['check']} {f['detail']}" for f in self.findings)
 
 
-def compute_stats(events_dir: Path, schema: SchemaConfig, top_values: int = 50) -> dict:
-    """Summarise the clean events under ``events_dir`` (``*.parquet``, recursively).
+def compute_stats(events_dir: Location, schema: SchemaConfig, top_values: int = 50) -> dict:
+    """Summarise the clean events under ``events_dir`` (``*.parquet``, recursively; a URL
+    is read through fsspec).
 
     Returns:
         ``{"rows": n, "columns": {name: {...}}}`` with ``null_rate`` for every column,
         ``min``/``max``/``mean``/``std`` for numeric ones and ``top`` (value -> share,
         plus ``__other__``) for string and id-like ones (sparse and key roles).
     """
-    files = sorted(Path(events_dir).rglob("*.parquet"))
+    files = list_files(events_dir, ".parquet", recursive=True)
     categorical = [
         f.name for f in schema.fields if f.role in ("sparse", "key", "label") and not f.multi_hot
     ]
@@ -94,7 +94,7 @@ def compute_stats(events_dir: Path, schema: SchemaConfig, top_values: int = 50) 
     counts: dict[str, list[pa.Table]] = {name: [] for name in categorical}
     rows = 0
     for path in files:
-        parquet = pq.ParquetFile(path)
+        parquet = open_parquet(path)
         present = [n for n in nulls if n in parquet.schema_arrow.names]
         for batch in parquet.iter_batches(columns=present):
             rows += batch.num_rows

@@ -55,6 +55,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from data_prep.errors import DataError, InputNotFoundError, SchemaError
+from data_prep.locations import Location, as_location, close_output, join, open_output, write_text
 from data_prep.preprocess import ordered_map
 from data_prep.readers import Format, TextBatch, read_batches
 from data_prep.schema import FieldSpec, SchemaConfig
@@ -135,7 +136,7 @@ class IngestConfig(BaseModel):
 class IngestResult:
     """What ingest wrote."""
 
-    out_dir: Path
+    out_dir: Location
     rows: int
     good_rows: int
     bad_rows: int
@@ -271,7 +272,7 @@ def file_digest(url: str) -> str:
 def ingest_logs(
     config: IngestConfig,
     schema: SchemaConfig,
-    out_dir: Path,
+    out_dir: Location,
     on_progress: Callable[[int], None] | None = None,
     workers: int | None = None,
 ) -> IngestResult:
@@ -286,7 +287,7 @@ def ingest_logs(
     Args:
         config: the ingest section.
         schema: the raw columns and their types.
-        out_dir: an empty directory to write into (the caller publishes it).
+        out_dir: an empty directory to write into (the caller publishes it), or a URL.
         on_progress: called with the number of rows read so far (per batch when the
             files are read in order, per file when they are read in parallel).
         workers: files ingested at once; default ``pyarrow.cpu_count()``.
@@ -301,8 +302,9 @@ def ingest_logs(
         DataError: the inputs hold no rows at all.
     """
     inputs = resolve_inputs(config.path, config.format)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = as_location(out_dir)
+    if isinstance(out_dir, Path):
+        out_dir.mkdir(parents=True, exist_ok=True)
     originals = find_replays([url for url, _ in inputs])
     if workers is None:
         workers = pa.cpu_count()
@@ -335,7 +337,7 @@ def ingest_logs(
 def _ingest_in_parallel(
     config: IngestConfig,
     schema: SchemaConfig,
-    out_dir: Path,
+    out_dir: Location,
     inputs: list[tuple[str, Format]],
     originals: list[int | None],
     workers: int,
@@ -398,7 +400,7 @@ def ingest_file(
     schema: SchemaConfig,
     url: str,
     fmt: Format,
-    out_dir: Path,
+    out_dir: Location,
     part: int,
     record_offset: int = 0,
     on_progress: Callable[[int], None] | None = None,
@@ -410,7 +412,8 @@ def ingest_file(
         schema: the raw columns and their types.
         url: the file.
         fmt: its format.
-        out_dir: the ingest output directory (shared by every file).
+        out_dir: the ingest output directory (shared by every file): a path, or a URL
+            written through fsspec.
         part: the file's index among the inputs, naming its output files.
         record_offset: records of the inputs before this one; a generated timestamp
             is ``record_offset`` + the record's number in this file.
@@ -422,10 +425,11 @@ def ingest_file(
     Raises:
         SchemaError: a schema column is missing from the file.
     """
-    out_dir = Path(out_dir)
+    out_dir = as_location(out_dir)
     name = f"part-{part:05d}"
     events = _RollingWriter(
-        out_dir / "events",
+        out_dir,
+        "events",
         name,
         event_schema(schema),
         config.rows_per_file,
@@ -433,7 +437,7 @@ def ingest_file(
         write_statistics=[f.name for f in schema.by_role("timestamp")],
     )
     quarantine = _RollingWriter(
-        out_dir / "quarantine", name, QUARANTINE_SCHEMA, config.rows_per_file
+        out_dir, "quarantine", name, QUARANTINE_SCHEMA, config.rows_per_file
     )
     read_fields = [f for f in schema.fields if f.generated is None]
     seen = _SeenRows()
@@ -480,7 +484,7 @@ def ingest_file(
         good_rows=good_rows,
         reasons=_sorted_counts(reasons),
         examples=examples,
-        files=[str(p.relative_to(out_dir)) for p in events.paths + quarantine.paths],
+        files=events.files + quarantine.files,
     )
 
 
@@ -547,7 +551,7 @@ def quarantine_replayed_file(
     config: IngestConfig,
     url: str,
     original: FileReport,
-    out_dir: Path,
+    out_dir: Location,
     part: int,
     record_offset: int = 0,
 ) -> FileReport:
@@ -559,11 +563,10 @@ def quarantine_replayed_file(
     Returns:
         The file's report: every record bad, reason ``duplicate_file:<original path>``.
     """
-    out_dir = Path(out_dir)
     reason = f"duplicate_file:{original.path}"
     raw = f"same bytes as {original.path}"
     writer = _RollingWriter(
-        out_dir / "quarantine", f"part-{part:05d}", QUARANTINE_SCHEMA, config.rows_per_file
+        out_dir, "quarantine", f"part-{part:05d}", QUARANTINE_SCHEMA, config.rows_per_file
     )
     examples: list[dict] = []
     try:
@@ -592,19 +595,21 @@ def quarantine_replayed_file(
         good_rows=0,
         reasons={reason: original.rows} if original.rows else {},
         examples=examples,
-        files=[str(p.relative_to(out_dir)) for p in writer.paths],
+        files=writer.files,
         duplicate_of=original.path,
     )
 
 
-def combine_reports(config: IngestConfig, out_dir: Path, reports: list[FileReport]) -> IngestResult:
+def combine_reports(
+    config: IngestConfig, out_dir: Location, reports: list[FileReport]
+) -> IngestResult:
     """Write ``validation.json`` from the per-file reports and check the bad fraction.
 
     Raises:
         DataError: the files hold no rows at all.
         SchemaError: more than ``max_bad_fraction`` of the rows were quarantined.
     """
-    out_dir = Path(out_dir)
+    out_dir = as_location(out_dir)
     reports = sorted(reports, key=lambda r: r.part)
     reasons: Counter[str] = Counter()
     for report in reports:
@@ -641,7 +646,7 @@ def combine_reports(config: IngestConfig, out_dir: Path, reports: list[FileRepor
         ],
         "examples": examples,
     }
-    (out_dir / "validation.json").write_text(json.dumps(report, indent=2))
+    write_text(join(out_dir, "validation.json"), json.dumps(report, indent=2))
     if total == 0:
         raise DataError(f"ingest.path '{config.path}' holds no rows.")
     if result.bad_fraction > config.max_bad_fraction:
@@ -699,21 +704,30 @@ def _dictionary_paths(schema: SchemaConfig) -> list[str]:
 
 
 class _RollingWriter:
-    """Writes tables into <name>-NNNNN.parquet files of at most ``rows_per_file`` rows.
+    """Writes tables into ``<out_dir>/<subdir>/<name>-NNNNN.parquet`` files of at most
+    ``rows_per_file`` rows (``out_dir`` a path or a URL).
 
     Keyword options go to ``pyarrow.parquet.ParquetWriter``.
     """
 
     def __init__(
-        self, directory: Path, name: str, schema: pa.Schema, rows_per_file: int, **options
+        self,
+        out_dir: Location,
+        subdir: str,
+        name: str,
+        schema: pa.Schema,
+        rows_per_file: int,
+        **options,
     ) -> None:
-        self.directory = directory
+        self.out_dir = out_dir
+        self.subdir = subdir
         self.name = name
         self.schema = schema
         self.rows_per_file = rows_per_file
         self.options = options
-        self.paths: list[Path] = []
+        self.files: list[str] = []  # relative to out_dir
         self._writer: pq.ParquetWriter | None = None
+        self._sink = None
         self._rows_in_file = 0
 
     def write(self, table: pa.Table) -> None:
@@ -728,16 +742,18 @@ class _RollingWriter:
 
     def _open_next(self) -> None:
         self.close()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"{self.name}-{len(self.paths):05d}.parquet"
-        self._writer = pq.ParquetWriter(path, self.schema, **self.options)
-        self.paths.append(path)
+        rel = f"{self.subdir}/{self.name}-{len(self.files):05d}.parquet"
+        self._sink = open_output(join(self.out_dir, rel))
+        self._writer = pq.ParquetWriter(self._sink, self.schema, **self.options)
+        self.files.append(rel)
         self._rows_in_file = 0
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+            close_output(self._sink)
+            self._sink = None
 
 
 # --------------------------------------------------------------------------- validation

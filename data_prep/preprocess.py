@@ -34,6 +34,7 @@ the number of events.
 """
 
 import math
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,6 +50,19 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from data_prep.errors import ConfigError, DataError, InputNotFoundError
+from data_prep.locations import (
+    Location,
+    as_location,
+    base_name,
+    close_output,
+    is_url,
+    join,
+    list_files,
+    open_output,
+    open_parquet,
+    read_bytes,
+    write_bytes,
+)
 from data_prep.schema import SchemaConfig
 from data_prep.sequences import build_sequences
 from data_prep.transform import (
@@ -148,7 +162,7 @@ class PreprocessResult:
     leave_last_out); ``leakage`` is the highest single-feature train AUC per feature.
     """
 
-    out_dir: Path
+    out_dir: Location
     rows: dict[str, int]
     vocab_sizes: dict[str, int]
     valid_start_ts: int | None
@@ -161,8 +175,8 @@ class PreprocessResult:
 def preprocess_events(
     config: PreprocessConfig,
     schema: SchemaConfig,
-    events_dir: Path,
-    out_dir: Path,
+    events_dir: Location,
+    out_dir: Location,
     on_progress: Callable[[int], None] | None = None,
     map_files: FileMapper | None = None,
 ) -> PreprocessResult:
@@ -171,8 +185,9 @@ def preprocess_events(
     Args:
         config: the preprocess section.
         schema: roles and transforms of the columns.
-        events_dir: ingest's ``events`` directory.
-        out_dir: an empty directory to write into (the caller publishes it).
+        events_dir: ingest's ``events`` directory (a path, or a URL read through fsspec).
+        out_dir: an empty directory to write into (the caller publishes it), or a URL:
+            then every file is written through fsspec, by whoever runs the step.
         on_progress: called with the number of rows transformed so far (per file).
         map_files: runs the per-file counting and transform steps, ``map_files(fn,
             range(files))`` yielding results in file order; the default uses one thread
@@ -190,7 +205,7 @@ def preprocess_events(
             split leaks future events.
     """
     _check_config(config, schema)
-    events = _Events.find(Path(events_dir), config.batch_rows, schema)
+    events = _Events.find(as_location(events_dir), config.batch_rows, schema)
     workers = pa.cpu_count()
     if map_files is None:
         map_files = partial(ordered_map, workers=workers)
@@ -208,9 +223,10 @@ def preprocess_events(
     transform = fit_transform(stats, schema, config.min_count)
     transform["split"] = plan.describe()
     _check_label_leaks(transform, config)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_transform(transform, out_dir / "transform.json")
+    out_dir = as_location(out_dir)
+    if isinstance(out_dir, Path):
+        out_dir.mkdir(parents=True, exist_ok=True)
+    save_transform(transform, join(out_dir, "transform.json"))
 
     applier = TransformApplier(transform)
     ts_name = schema.timestamp.name
@@ -238,7 +254,9 @@ def preprocess_events(
     if empty:
         raise DataError(f"split(s) {empty} are empty after transforming ({rows}).")
     sequences = None
-    if config.sequence_length is not None:
+    if config.sequence_length is not None and is_url(out_dir):
+        sequences = _build_sequences_remote(config, schema, transform, out_dir)
+    elif config.sequence_length is not None:
         built = build_sequences(
             {split: out_dir / split for split in SPLITS},
             schema.user_key,
@@ -267,6 +285,39 @@ def preprocess_events(
             for name, per_label in transform["leakage"]["single_feature_train_auc"].items()
         },
     )
+
+
+def _build_sequences_remote(
+    config: PreprocessConfig, schema: SchemaConfig, transform: dict, out_url: str
+) -> dict[str, int]:
+    """``build_sequences`` for an output URL: its sort spills to a local scratch directory.
+
+    The sequence builder sorts every split by user with local spill files, so the
+    transformed splits are copied into a temporary directory of the machine that runs
+    preprocess, the sequences built there and uploaded under ``<out_url>/sequences``.
+    """
+    with tempfile.TemporaryDirectory(prefix="recforge-sequences-") as scratch:
+        local = Path(scratch)
+        for split in SPLITS:
+            for url in list_files(join(out_url, split), ".parquet"):
+                write_bytes(local / split / base_name(url), read_bytes(url))
+        built = build_sequences(
+            {split: local / split for split in SPLITS},
+            schema.user_key,
+            schema.item_key,
+            schema.timestamp.name,
+            config.sequence_length,
+            local / "sequences",
+            num_items=transform["sparse"][schema.item_key]["num_embeddings"],
+            item_features={
+                name: transform["sparse"][name]["num_embeddings"]
+                for name in config.sequence_item_features
+            },
+        )
+        for path in sorted(p for p in (local / "sequences").rglob("*") if p.is_file()):
+            rel = path.relative_to(local).as_posix()
+            write_bytes(join(out_url, rel), path.read_bytes())
+    return built.rows
 
 
 def _check_label_leaks(transform: dict, config: PreprocessConfig) -> None:
@@ -331,18 +382,18 @@ def _check_config(config: PreprocessConfig, schema: SchemaConfig) -> None:
 class _Events:
     """The event files with their row counts and the input-order offset of each."""
 
-    files: list[Path]
+    files: list[Location]
     offsets: list[int]
     total: int
     batch_rows: int
     dictionaries: tuple[str, ...] = ()
 
     @classmethod
-    def find(cls, events_dir: Path, batch_rows: int, schema: SchemaConfig) -> "_Events":
-        files = sorted(events_dir.glob("*.parquet"))
+    def find(cls, events_dir: Location, batch_rows: int, schema: SchemaConfig) -> "_Events":
+        files = list_files(events_dir, ".parquet")
         if not files:
             raise InputNotFoundError(f"no event files under '{events_dir}'; run ingest first.")
-        counts = [pq.ParquetFile(p).metadata.num_rows for p in files]
+        counts = [open_parquet(p).metadata.num_rows for p in files]
         offsets = [0, *np.cumsum(counts).tolist()]
         if offsets[-1] == 0:
             raise DataError("no clean events to split; check ingest's quarantine report.")
@@ -364,7 +415,7 @@ class _Events:
         With ``dictionaries`` the string sparse columns are dictionary arrays.
         """
         offset = self.offsets[index]
-        parquet = pq.ParquetFile(
+        parquet = open_parquet(
             self.files[index], read_dictionary=self.dictionaries if dictionaries else None
         )
         for batch in parquet.iter_batches(batch_size=self.batch_rows, columns=columns):
@@ -490,7 +541,7 @@ def _column_range(events: _Events, name: str) -> tuple[int, int]:
     """(min, max) of an int64 column from the Parquet statistics, or a scan without them."""
     low, high = math.inf, -math.inf
     for path in events.files:
-        metadata = pq.ParquetFile(path).metadata
+        metadata = open_parquet(path).metadata
         for group in range(metadata.num_row_groups):
             row_group = metadata.row_group(group)
             if row_group.num_rows == 0:
@@ -678,14 +729,14 @@ def _transform_file(
     plan: "_TimePlan | _UserPlan",
     applier: TransformApplier,
     guard: Callable[[], "_TimeGuard | _UserGuard"],
-    out_dir: Path,
+    out_dir: Location,
 ) -> tuple[dict[str, int], "_TimeGuard | _UserGuard"]:
     """Transform one file into ``<split>/part-<index>.parquet``; rows per split and its guard."""
     dictionary = dictionary_columns(applier.transform)
     # Statistics only where readers use them: the timestamp's min/max.
     statistics = [applier.transform["timestamp"]]
     writers = [
-        _PartWriter(out_dir / split / f"part-{index:05d}.parquet", dictionary, statistics)
+        _PartWriter(join(out_dir, split, f"part-{index:05d}.parquet"), dictionary, statistics)
         for split in SPLITS
     ]
     checked = guard()
@@ -854,8 +905,9 @@ def _user_bounds(table: pa.Table) -> pa.Table:
 class _PartWriter:
     """Writes one Parquet file, created on the first non-empty table."""
 
-    def __init__(self, path: Path, dictionary: list[str], statistics: list[str]) -> None:
+    def __init__(self, path: Location, dictionary: list[str], statistics: list[str]) -> None:
         self.path = path
+        self._sink = None
         self.dictionary = dictionary
         self.statistics = statistics
         self.rows = 0
@@ -863,9 +915,9 @@ class _PartWriter:
 
     def write(self, table: pa.Table) -> None:
         if self._writer is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._sink = open_output(self.path)
             self._writer = pq.ParquetWriter(
-                self.path,
+                self._sink,
                 table.schema,
                 use_dictionary=self.dictionary,
                 write_statistics=self.statistics,
@@ -877,3 +929,5 @@ class _PartWriter:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+            close_output(self._sink)
+            self._sink = None

@@ -35,6 +35,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,21 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from data_prep.errors import ConfigError, InputNotFoundError, SchemaError
+from data_prep.locations import (
+    Location,
+    as_location,
+    base_name,
+    close_output,
+    join,
+    list_files,
+    open_output,
+    open_parquet,
+    read_arrow,
+    read_text,
+    remove,
+    write_arrow,
+    write_text,
+)
 from data_prep.preprocess import SPLITS
 from data_prep.transform import TRANSFORM_FORMAT, dictionary_columns, splitmix64
 
@@ -78,7 +94,7 @@ class ShardConfig(BaseModel):
 class ShardResult:
     """What shard wrote."""
 
-    out_dir: Path
+    out_dir: Location
     rows: dict[str, int]
     shards: dict[str, list[str]]
 
@@ -112,17 +128,10 @@ def write_shards(
             this ``shuffle_buffer_rows``.
     """
     preprocessed_dir = Path(preprocessed_dir)
-    transform = _read_transform(preprocessed_dir / "transform.json")
+    transform = read_transform(preprocessed_dir / "transform.json")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sources = {}
-    for split in SPLITS:
-        files = sorted((preprocessed_dir / split).glob("*.parquet"))
-        if not files:
-            raise InputNotFoundError(
-                f"no '{split}' table under '{preprocessed_dir}'; run preprocess first."
-            )
-        sources[split] = _Source(files, config.batch_rows)
+    sources = _find_sources(preprocessed_dir, config.batch_rows)
 
     def write(split: str) -> list:
         source = sources[split]
@@ -149,6 +158,23 @@ def write_shards(
         rows={s: splits[s]["rows"] for s in SPLITS},
         shards={s: [e["path"] for e in splits[s]["files"]] for s in SPLITS},
     )
+
+
+def _find_sources(preprocessed: Location, batch_rows: int) -> dict[str, "_Source"]:
+    """Every split's preprocessed files, in name order.
+
+    Raises:
+        InputNotFoundError: a split has no files.
+    """
+    sources = {}
+    for split in SPLITS:
+        files = list_files(join(preprocessed, split), ".parquet")
+        if not files:
+            raise InputNotFoundError(
+                f"no '{split}' table under '{preprocessed}'; run preprocess first."
+            )
+        sources[split] = _Source(files, batch_rows)
+    return sources
 
 
 def describe_dataset(transform: dict, splits: dict) -> dict:
@@ -180,10 +206,17 @@ def describe_dataset(transform: dict, splits: dict) -> dict:
     }
 
 
-def _read_transform(path: Path) -> dict:
-    if not path.exists():
-        raise InputNotFoundError(f"'{path}' is missing; run preprocess first.")
-    transform = json.loads(path.read_text())
+def read_transform(path: Location) -> dict:
+    """Preprocess's ``transform.json`` (a path or a URL).
+
+    Raises:
+        InputNotFoundError: it is missing.
+        SchemaError: it comes from another version of preprocess.
+    """
+    try:
+        transform = json.loads(read_text(path))
+    except FileNotFoundError as err:
+        raise InputNotFoundError(f"'{path}' is missing; run preprocess first.") from err
     if transform.get("format") != TRANSFORM_FORMAT:
         raise SchemaError(
             f"'{path}' has format {transform.get('format')!r}, not {TRANSFORM_FORMAT!r}; rerun "
@@ -196,20 +229,20 @@ def _read_transform(path: Path) -> dict:
 class _Source:
     """One split's preprocessed files."""
 
-    files: list[Path]
+    files: list[Location]
     batch_rows: int
 
     @property
     def rows(self) -> int:
-        return sum(pq.ParquetFile(p).metadata.num_rows for p in self.files)
+        return sum(open_parquet(p).metadata.num_rows for p in self.files)
 
     @property
     def schema(self) -> pa.Schema:
-        return pq.read_schema(self.files[0])
+        return open_parquet(self.files[0]).schema_arrow
 
     def batches(self) -> Iterator[pa.Table]:
         for path in self.files:
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=self.batch_rows):
+            for batch in open_parquet(path).iter_batches(batch_size=self.batch_rows):
                 yield pa.Table.from_batches([batch])
 
 
@@ -225,9 +258,10 @@ class _Layout:
 class _ShardWriter:
     """Writes one shard in row groups of exactly ``row_group_size`` rows (the last shorter)."""
 
-    def __init__(self, path: Path, layout: _Layout) -> None:
+    def __init__(self, path: Location, layout: _Layout) -> None:
         self.path = path
         self.layout = layout
+        self._sink = None
         self.rows = 0
         self._pending: list[pa.Table] = []
         self._pending_rows = 0
@@ -247,7 +281,8 @@ class _ShardWriter:
         if self._pending_rows or self._writer is None:
             self._flush(self._pending_rows)
         self._writer.close()
-        return {"path": self.path.name, "rows": self.rows}
+        close_output(self._sink)
+        return {"path": base_name(self.path), "rows": self.rows}
 
     def _flush(self, rows: int) -> None:
         if self._pending:
@@ -261,21 +296,22 @@ class _ShardWriter:
         self._pending = [rest] if rest.num_rows else []
         self._pending_rows = rest.num_rows
         if self._writer is None:
+            self._sink = open_output(self.path)
             self._writer = pq.ParquetWriter(
-                self.path, self.layout.schema, use_dictionary=self.layout.dictionary
+                self._sink, self.layout.schema, use_dictionary=self.layout.dictionary
             )
         self._writer.write_table(group, row_group_size=max(rows, 1))
 
 
 def _write_contiguous(
-    source: _Source, split: str, count: int, layout: _Layout, out_dir: Path
+    source: _Source, split: str, count: int, layout: _Layout, out_dir: Location
 ) -> list:
     """Keep input (time) order: shard k holds rows [k * rows // N, (k + 1) * rows // N)."""
     total = source.rows
     ends = [(k + 1) * total // count for k in range(count)]
     entries = []
     shard = 0
-    writer = _ShardWriter(out_dir / shard_name(split, 0, count), layout)
+    writer = _ShardWriter(join(out_dir, shard_name(split, 0, count)), layout)
     position = 0
     for table in source.batches():
         start = 0
@@ -283,7 +319,7 @@ def _write_contiguous(
             while position == ends[shard] and shard < count - 1:
                 entries.append(writer.close())
                 shard += 1
-                path = out_dir / shard_name(split, shard, count)
+                path = join(out_dir, shard_name(split, shard, count))
                 writer = _ShardWriter(path, layout)
             take = min(table.num_rows - start, ends[shard] - position)
             writer.add(table.slice(start, take))
@@ -291,7 +327,7 @@ def _write_contiguous(
             position += take
     entries.append(writer.close())
     for k in range(shard + 1, count):
-        path = out_dir / shard_name(split, k, count)
+        path = join(out_dir, shard_name(split, k, count))
         entries.append(_ShardWriter(path, layout).close())
     return entries
 
@@ -327,7 +363,26 @@ def _deal(
     Returns:
         The new position and this bucket's pending writes.
     """
-    count, n = len(writers), table.num_rows
+    parts = deal_rows(table, bucket, position, len(writers), seed)
+    # One task per shard and bucket, awaited before the next bucket's: every shard gets its
+    # rows in the same order whatever the number of threads.
+    for done in writing:
+        done.result()
+    position += table.num_rows
+    return position, [pool.submit(w.add, part) for w, part in zip(writers, parts, strict=True)]
+
+
+def deal_rows(table: pa.Table, bucket: int, position: int, count: int, seed: int) -> list[pa.Table]:
+    """One bucket's rows permuted and dealt round-robin: the rows each shard gets.
+
+    The bucket (its rows in input order) is permuted by a generator seeded with
+    ``(seed, bucket)``; the p-th row dealt overall goes to shard ``p % count``, and this
+    bucket's first row is the ``position``-th.
+
+    Returns:
+        ``count`` tables, shard k's rows in dealing order.
+    """
+    n = table.num_rows
     permutation = np.random.default_rng([seed, bucket]).permutation(n)
     firsts = [(k - position) % count for k in range(count)]
     # Rows of the permuted bucket grouped by shard, each shard's rows in dealing order.
@@ -335,12 +390,7 @@ def _deal(
     dealt = table.take(pa.array(order, pa.int64()))
     sizes = [len(range(first, n, count)) for first in firsts]
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
-    parts = [dealt.slice(start, size) for start, size in zip(starts, sizes, strict=True)]
-    # One task per shard and bucket, awaited before the next bucket's: every shard gets its
-    # rows in the same order whatever the number of threads.
-    for done in writing:
-        done.result()
-    return position + n, [pool.submit(w.add, part) for w, part in zip(writers, parts, strict=True)]
+    return [dealt.slice(start, size) for start, size in zip(starts, sizes, strict=True)]
 
 
 def bucket_of_rows(rows: np.ndarray, seed: int, buckets: int) -> np.ndarray:
@@ -394,3 +444,204 @@ def _buckets(
                 yield b, spilled
     finally:
         shutil.rmtree(spill_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------ the shuffle as tasks
+#
+# The same shuffle, cut into tasks that share nothing but locations (object-store URLs on
+# a cluster), so a task runner can spread them over machines:
+#
+#   pass 1, one task per row group of the train files (a "unit", whose first row number
+#     is known from the Parquet footers): scatter its rows into the buckets by the same
+#     seeded hash, one Arrow part per non-empty bucket, ``scatter/bucket-B/unit-U.arrow``;
+#   pass 2, one task per non-empty bucket: read its parts in unit order (the bucket's rows
+#     in input order, as pass 1 of the in-process shuffle spills them), permute and deal
+#     them from the bucket's position (the rows of the buckets before it, from pass 1's
+#     counts) exactly as ``deal_rows`` does in-process: ``dealt/shard-K/bucket-B.arrow``;
+#   pass 3, one task per train shard: append its dealt parts in bucket order through the
+#     same ``_ShardWriter`` (plus one task per eval split, written in order as in-process).
+#
+# Each shard gets the same rows in the same order as in ``write_shards``, and a shard
+# file's bytes depend only on them (row groups are cut from one contiguous buffer), so
+# the shards are byte-identical to the in-process shuffle's. Memory per task: one row
+# group (pass 1), one bucket, about ``shuffle_buffer_rows`` rows, twice (pass 2), one
+# dealt part plus one row group (pass 3). Parts are written whole (one PUT each) and
+# deleted once read; pass 1 holds no files open, so ``MAX_SPILL_BUCKETS`` does not apply.
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What every task of ``write_shards_distributed`` needs: locations, no open files."""
+
+    config: ShardConfig
+    files: dict[str, list[Location]]
+    rows: dict[str, int]
+    layouts: dict[str, _Layout]
+    units: list[tuple[int, int, int, int]]  # train (file, row group, first row, rows)
+    buckets: int
+    out: Location
+    scratch: Location
+
+    def scatter_part(self, bucket: int, unit: int) -> Location:
+        return join(self.scratch, "scatter", f"bucket-{bucket:05d}", f"unit-{unit:06d}.arrow")
+
+    def dealt_part(self, shard: int, bucket: int) -> Location:
+        return join(self.scratch, "dealt", f"shard-{shard:05d}", f"bucket-{bucket:05d}.arrow")
+
+
+def plan_shards(
+    config: ShardConfig, preprocessed: Location, out: Location, scratch: Location
+) -> tuple[ShardPlan, dict]:
+    """Read the footers and the transform once: the plan of the shard tasks.
+
+    Returns:
+        The plan and the transform.
+
+    Raises:
+        InputNotFoundError: the preprocessed tables or ``transform.json`` are missing.
+        SchemaError: ``transform.json`` comes from another version of preprocess.
+    """
+    preprocessed, out, scratch = map(as_location, (preprocessed, out, scratch))
+    transform = read_transform(join(preprocessed, "transform.json"))
+    sources = _find_sources(preprocessed, config.batch_rows)
+    dictionary = dictionary_columns(transform)
+    units = []
+    first = 0
+    for index, path in enumerate(sources["train"].files):
+        metadata = open_parquet(path).metadata
+        for group in range(metadata.num_row_groups):
+            rows = metadata.row_group(group).num_rows
+            if rows:
+                units.append((index, group, first, rows))
+            first += rows
+    plan = ShardPlan(
+        config=config,
+        files={split: source.files for split, source in sources.items()},
+        rows={split: source.rows for split, source in sources.items()},
+        layouts={
+            split: _Layout(source.schema, config.row_group_size, dictionary)
+            for split, source in sources.items()
+        },
+        units=units,
+        buckets=max(1, math.ceil(first / config.shuffle_buffer_rows)),
+        out=out,
+        scratch=scratch,
+    )
+    return plan, transform
+
+
+def scatter_unit(plan: ShardPlan, unit: int) -> dict[int, int]:
+    """Pass 1 for one row group: its rows into their buckets. Returns rows per bucket."""
+    index, group, first, rows = plan.units[unit]
+    parquet = open_parquet(plan.files["train"][index])
+    table = pa.Table.from_batches(list(parquet.iter_batches(batch_size=rows, row_groups=[group])))
+    numbers = np.arange(first, first + table.num_rows, dtype=np.int64)
+    bucket = bucket_of_rows(numbers, plan.config.seed, plan.buckets)
+    order = np.argsort(bucket, kind="stable")
+    bounds = np.searchsorted(bucket[order], np.arange(plan.buckets + 1))
+    grouped = table.take(pa.array(order, pa.int64()))
+    counts = {}
+    for b in np.flatnonzero(np.diff(bounds)).tolist():
+        size = int(bounds[b + 1] - bounds[b])
+        write_arrow(plan.scatter_part(b, unit), grouped.slice(bounds[b], size))
+        counts[b] = size
+    return counts
+
+
+def deal_bucket(plan: ShardPlan, jobs: list[tuple[int, list[int], int]], job: int) -> list[int]:
+    """Pass 2 for one bucket: gather, permute, deal. Returns the rows dealt to each shard.
+
+    Args:
+        plan: the plan.
+        jobs: (bucket, units holding its rows in order, its position) per non-empty bucket.
+        job: which of them.
+    """
+    bucket, units, position = jobs[job]
+    parts = [plan.scatter_part(bucket, unit) for unit in units]
+    table = pa.concat_tables([read_arrow(part) for part in parts])
+    count = plan.config.num_train_shards
+    sizes = []
+    for shard, rows in enumerate(deal_rows(table, bucket, position, count, plan.config.seed)):
+        if rows.num_rows:
+            write_arrow(plan.dealt_part(shard, bucket), rows)
+        sizes.append(rows.num_rows)
+    remove(parts)
+    return sizes
+
+
+def write_part(plan: ShardPlan, dealt: list[list[int]], index: int) -> list[dict]:
+    """Pass 3: train shard ``index`` from its dealt parts, or (after the train shards) one
+    eval split's contiguous shards. Returns the shard entries (name, rows)."""
+    count = plan.config.num_train_shards
+    if index >= count:
+        split = [s for s in SPLITS if s != "train"][index - count]
+        source = _Source(plan.files[split], plan.config.batch_rows)
+        layout = plan.layouts[split]
+        return _write_contiguous(source, split, plan.config.num_eval_shards, layout, plan.out)
+    writer = _ShardWriter(join(plan.out, shard_name("train", index, count)), plan.layouts["train"])
+    for bucket in dealt[index]:
+        part = plan.dealt_part(index, bucket)
+        writer.add(read_arrow(part))
+        remove([part])
+    return [writer.close()]
+
+
+def write_shards_distributed(
+    config: ShardConfig,
+    preprocessed: Location,
+    out: Location,
+    scratch: Location,
+    map_tasks: Callable[[Callable[[int], object], range], Iterator],
+    on_progress: Callable[[int], None] | None = None,
+) -> ShardResult:
+    """``write_shards`` as three passes of tasks; the same files, byte for byte.
+
+    Args:
+        config: the shard section.
+        preprocessed: preprocess's output, a path or a URL.
+        out: where the shards and ``dataset.json`` go, a path or a URL.
+        scratch: where the passes exchange their parts (emptied again on return).
+        map_tasks: ``map_tasks(fn, range(n))`` runs ``fn`` on each index and yields the
+            results in index order (threads, or a Dask cluster through the task runner:
+            ``fn`` is picklable and reads and writes only the locations above).
+        on_progress: called with the number of rows sharded so far.
+
+    Returns:
+        Rows per split and shard file names.
+
+    Raises:
+        InputNotFoundError: the preprocessed tables or ``transform.json`` are missing.
+        SchemaError: ``transform.json`` comes from another version of preprocess.
+    """
+    plan, transform = plan_shards(config, preprocessed, out, scratch)
+    try:
+        counts = list(map_tasks(partial(scatter_unit, plan), range(len(plan.units))))
+        jobs: list[tuple[int, list[int], int]] = []
+        position = 0
+        for bucket in range(plan.buckets):
+            units = [u for u, found in enumerate(counts) if bucket in found]
+            if units:
+                jobs.append((bucket, units, position))
+                position += sum(counts[u][bucket] for u in units)
+        sizes = list(map_tasks(partial(deal_bucket, plan, jobs), range(len(jobs))))
+        count = config.num_train_shards
+        dealt = [
+            [bucket for (bucket, _, _), per in zip(jobs, sizes, strict=True) if per[shard]]
+            for shard in range(count)
+        ]
+        written = list(map_tasks(partial(write_part, plan, dealt), range(count + 2)))
+    finally:
+        remove(list_files(plan.scratch, ".arrow", recursive=True))
+    entries = {"train": [e for shard in written[:count] for e in shard]}
+    entries.update(zip([s for s in SPLITS if s != "train"], written[count:], strict=True))
+    splits = {split: {"files": entries[split], "rows": plan.rows[split]} for split in SPLITS}
+    if on_progress:
+        on_progress(sum(plan.rows.values()))
+    write_text(
+        join(plan.out, "dataset.json"), json.dumps(describe_dataset(transform, splits), indent=2)
+    )
+    return ShardResult(
+        out_dir=plan.out,
+        rows=dict(plan.rows),
+        shards={s: [e["path"] for e in splits[s]["files"]] for s in SPLITS},
+    )

@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from data_prep.errors import DataError, SchemaError
+from data_prep.locations import Location, write_text
 from data_prep.schema import FieldSpec, SchemaConfig
 
 TRANSFORM_FORMAT = "recforge.transform/2"
@@ -622,9 +623,9 @@ def dictionary_columns(transform: dict) -> list[str]:
     return paths
 
 
-def save_transform(transform: dict, path: Path) -> None:
-    """Write ``transform.json`` (deterministic bytes for the same transform)."""
-    Path(path).write_text(json.dumps(transform, indent=1))
+def save_transform(transform: dict, path: Location) -> None:
+    """Write ``transform.json`` (deterministic bytes for the same transform); a URL too."""
+    write_text(path, json.dumps(transform, indent=1))
 
 
 def load_transform(path: Path) -> dict:
