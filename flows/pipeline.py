@@ -9,7 +9,7 @@ pieces):
 |---|---|---|
 | ingest | `tasks.ingest.ingest_task` | `data_prep.ingest.ingest_logs` (`data_prep.ingest.ingest_file` per file) |
 | preprocess | `tasks.preprocess.preprocess_task` | `data_prep.preprocess.preprocess_events` |
-| shard | `tasks.shard.shard_task` | `data_prep.shard.write_shards` |
+| shard | `tasks.shard.shard_task` | `data_prep.shard.write_shards` (`data_prep.shard.write_shards_distributed` for an object-store root) |
 | train | `tasks.train.train_task` | `training.ctr.train.train_model`, `training.sequence.train.train_sequence_model` |
 | evaluate | `tasks.evaluate.evaluate_task` | `training.ctr.evaluate.evaluate_model`, `training.sequence.evaluate.evaluate_sequence_model` |
 | export | `tasks.export.export_task` | `training.ctr.export.export_model`, `training.sequence.export.export_sequence_model`, `training.sequence.bst_export.export_bst_model` |

@@ -11,6 +11,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,10 +24,18 @@ from pydantic import BaseModel
 from data_prep.errors import DeterministicError, InputNotFoundError, TransientError
 from tasks.store import (
     ArtifactStore,
+    CorruptOutput,
+    check_remote_output,
     code_version,
+    describe_object,
+    filesystem,
     fingerprint,
+    is_remote,
+    join_url,
     materialize,
     module_closure,
+    remote_manifest,
+    remove_tree,
 )
 
 Stage = Literal["ingest", "preprocess", "shard", "train", "evaluate", "export"]
@@ -113,28 +122,11 @@ def run_stage(
         DeterministicError: from ``produce``; the partial output is kept under
             ``<root>/failed`` and named in the message.
     """
-    logger = get_run_logger()
     store = ArtifactStore(root)
     final = store.output_url(stage, fp)
-    if mode == "skip":
-        return StageOutput(stage=stage, status="skipped", fingerprint=fp)
-    if mode in ("auto", "reuse"):
-        manifest, why = store.verify(stage, fp)
-        if manifest is not None:
-            logger.info("%s: cache hit %s", stage, final)
-            return StageOutput(
-                stage=stage,
-                status="cached",
-                fingerprint=fp,
-                output=final,
-                meta=manifest["meta"],
-            )
-        if mode == "reuse":
-            raise InputNotFoundError(
-                f"{stage} has no valid output for this config ({why}). Run it first: drop "
-                f"--from/--only, or include '{stage}' in them."
-            )
-        logger.info("%s: running (%s)", stage, why)
+    reused = _reuse(stage, fp, mode, store)
+    if reused is not None:
+        return reused
 
     staging = store.new_staging(stage, fp)
     started = time.perf_counter()
@@ -155,6 +147,122 @@ def run_stage(
         seconds=round(time.perf_counter() - started, 3),
         meta=meta,
     )
+
+
+def _reuse(stage: Stage, fp: str, mode: Mode, store: ArtifactStore) -> StageOutput | None:
+    """The skipped or cached outcome when the stage does not run, else None (it runs)."""
+    logger = get_run_logger()
+    final = store.output_url(stage, fp)
+    if mode == "skip":
+        return StageOutput(stage=stage, status="skipped", fingerprint=fp)
+    if mode in ("auto", "reuse"):
+        manifest, why = store.verify(stage, fp)
+        if manifest is not None:
+            logger.info("%s: cache hit %s", stage, final)
+            return StageOutput(
+                stage=stage,
+                status="cached",
+                fingerprint=fp,
+                output=final,
+                meta=manifest["meta"],
+            )
+        if mode == "reuse":
+            raise InputNotFoundError(
+                f"{stage} has no valid output for this config ({why}). Run it first: drop "
+                f"--from/--only, or include '{stage}' in them."
+            )
+        logger.info("%s: running (%s)", stage, why)
+    return None
+
+
+def run_stage_at(
+    stage: Stage,
+    fp: str,
+    mode: Mode,
+    root: str,
+    produce: Callable[[Path | str], dict[str, Any]],
+) -> StageOutput:
+    """`run_stage` for a data stage whose work runs on the task runner, maybe elsewhere.
+
+    With a local root this is `run_stage` (``produce`` gets a local staging directory).
+    With a remote root nothing goes through this machine's disk: ``produce`` gets a fresh
+    data prefix of the output (a URL) and its tasks write their files there themselves;
+    the objects are then described (size, sha256, rows) by tasks on the runner and the
+    manifest is written last, so a crash leaves no output that looks whole.
+
+    Raises:
+        InputNotFoundError: mode is ``reuse`` and there is no valid output.
+        DeterministicError: from ``produce``; the partial objects are kept unpublished at
+            the data prefix, named in the message.
+    """
+    store = ArtifactStore(root)
+    if not store.remote:
+        return run_stage(stage, fp, mode, root, produce)
+    reused = _reuse(stage, fp, mode, store)
+    if reused is not None:
+        return reused
+    data = store.new_data_prefix(stage, fp)
+    started = time.perf_counter()
+    try:
+        meta = produce(data)
+        urls = _written_objects(data)
+        described = list(prefect_file_mapper(stage)(partial(_describe_nth, urls), range(len(urls))))
+    except DeterministicError as err:
+        raise type(err)(f"{err} (partial output kept, unpublished, at {data})") from err
+    except BaseException:
+        remove_tree(data)
+        raise
+    files = {
+        url.removeprefix(data + "/"): entry for url, entry in zip(urls, described, strict=True)
+    }
+    store.publish_prefix(stage, fp, data, files, meta)
+    return StageOutput(
+        stage=stage,
+        status="ran",
+        fingerprint=fp,
+        output=store.output_url(stage, fp),
+        seconds=round(time.perf_counter() - started, 3),
+        meta=meta,
+    )
+
+
+def _written_objects(data: str) -> list[str]:
+    """The URLs of the objects under a data prefix, sorted."""
+    fs, path = filesystem(data)
+    fs.invalidate_cache(path)
+    prefix = path.rstrip("/") + "/"
+    return [join_url(data, name.removeprefix(prefix)) for name in sorted(fs.find(path))]
+
+
+def _describe_nth(urls: list[str], index: int) -> dict:
+    return describe_object(urls[index])
+
+
+def data_location(output: StageOutput) -> Path | str:
+    """Where a stage output's files are, for code that reads them wherever it runs.
+
+    A local root: the output directory. A remote root: the URL of its data prefix, after
+    one listing checked every object's size and ETag against the manifest (the tasks that
+    read it then need no local copy).
+
+    Raises:
+        InputNotFoundError: The output is not published.
+        CorruptOutput: An object changed since it was published (named in the message).
+    """
+    if not is_remote(output.output):
+        return Path(output.output)
+    manifest = remote_manifest(output.output)
+    if manifest is None:
+        raise InputNotFoundError(
+            f"nothing is published at {output.output}; run the {output.stage} stage again"
+        )
+    problem = check_remote_output(output.output, manifest)
+    if problem:
+        raise CorruptOutput(
+            f"the {output.stage} output {output.output} has changed since it was published: "
+            f"{problem}. Run it again with --force {output.stage}"
+        )
+    return join_url(output.output, manifest.get("data", ""))
 
 
 def local_dir(output: StageOutput) -> Path:

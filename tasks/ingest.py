@@ -1,13 +1,14 @@
 """Prefect task for the ingest stage, with dataset checks against the previous run."""
 
 import json
-from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
+from prefect.context import FlowRunContext
 
+from data_prep import locations
 from data_prep.drift import DriftConfig, compare_stats, compute_stats
-from data_prep.errors import DataError
+from data_prep.errors import ConfigError, DataError
 from data_prep.ingest import (
     FileReport,
     Format,
@@ -22,8 +23,16 @@ from data_prep.ingest import (
     quarantine_replayed_file,
     resolve_inputs,
 )
+from data_prep.locations import Location, as_location, is_url, join
 from data_prep.schema import SchemaConfig
-from tasks.common import Mode, StageOutput, as_state, run_stage, stage_fingerprint, task_options
+from tasks.common import (
+    Mode,
+    StageOutput,
+    as_state,
+    run_stage_at,
+    stage_fingerprint,
+    task_options,
+)
 from tasks.progress import terminal_progress
 from tasks.store import ArtifactStore, is_remote, join_url, read_text, remote_manifest
 
@@ -52,12 +61,14 @@ def ingest_task(
     mode: Mode,
 ) -> StageOutput:
     """Validate raw logs into clean events and a quarantine; compare with the last run."""
+    store = ArtifactStore(root)
+    if store.remote:
+        check_inputs_reachable(config.path, _dask_address())
     section = ingest_section(config, schema, drift, describe_inputs(config.path, config.format))
     fp = stage_fingerprint("ingest", section, [])
-    store = ArtifactStore(root)
     logger = get_run_logger()
 
-    def produce(out_dir: Path) -> dict:
+    def produce(out_dir: Location) -> dict:
         result = ingest_in_parallel(config, schema, out_dir)
         findings = _check_drift(store.latest_output(pipeline, "ingest"), out_dir, schema, drift)
         if findings and drift.policy == "fail":
@@ -79,7 +90,7 @@ def ingest_task(
             "drift": findings,
         }
 
-    output = run_stage("ingest", fp, mode, root, produce)
+    output = run_stage_at("ingest", fp, mode, root, produce)
     store.record_latest(pipeline, "ingest", output.output)
     meta = output.meta
     rows = [{"reason": "(clean)", "rows": meta["good_rows"]}] + [
@@ -103,11 +114,43 @@ def ingest_task(
 def read_file_task(
     config: IngestConfig, schema: SchemaConfig, url: str, fmt: Format, out_dir: str, part: int
 ) -> FileReport:
-    """Ingest one raw file into the stage's staging directory."""
-    return ingest_file(config, schema, url, fmt, Path(out_dir), part)
+    """Ingest one raw file into the stage's staging directory (or data prefix URL)."""
+    return ingest_file(config, schema, url, fmt, as_location(out_dir), part)
 
 
-def ingest_in_parallel(config: IngestConfig, schema: SchemaConfig, out_dir: Path) -> IngestResult:
+def check_inputs_reachable(path: str, dask_address: str | None) -> None:
+    """Fail fast when the workers of a Dask cluster could not read the raw logs.
+
+    With a remote artifact root and a Dask cluster at an address, the workers share no
+    disk with this process: they read the raw logs through fsspec, so ``ingest.path``
+    must be a URL they can reach.
+
+    Raises:
+        ConfigError: ``ingest.path`` is a local path; the message says where to put it.
+    """
+    if dask_address is None or is_url(path):
+        return
+    raise ConfigError(
+        f"ingest.path '{path}' is a path on this machine, which the Dask workers at "
+        f"{dask_address} cannot read (with an object-store --root they share no disk with "
+        "this process). Copy the raw logs to object storage (e.g. `aws s3 sync "
+        f"{path} s3://BUCKET/raw/`) and pass --set ingest.path=s3://BUCKET/raw/"
+    )
+
+
+def _dask_address() -> str | None:
+    """The scheduler address when this flow's task runner is a Dask cluster at an address
+    (`--dask tcp://...`); None for threads or a cluster it started itself (`--dask local:N`)."""
+    context = FlowRunContext.get()
+    runner = getattr(context, "task_runner", None)
+    if type(runner).__name__ != "DaskTaskRunner":
+        return None
+    return getattr(runner, "address", None)
+
+
+def ingest_in_parallel(
+    config: IngestConfig, schema: SchemaConfig, out_dir: Location
+) -> IngestResult:
     """Map ingest over the input files with the flow's task runner (threads or Dask).
 
     Each file numbers its records from 0, so the output does not depend on the runner
@@ -119,7 +162,9 @@ def ingest_in_parallel(config: IngestConfig, schema: SchemaConfig, out_dir: Path
             return ingest_logs(config, schema, out_dir, on_progress=advance)
     inputs = resolve_inputs(config.path, config.format)
     originals = find_replays([url for url, _ in inputs])
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = as_location(out_dir)
+    if not is_url(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
     futures = {
         part: read_file_task.submit(config, schema, url, fmt, str(out_dir), part)
         for part, (url, fmt) in enumerate(inputs)
@@ -134,20 +179,20 @@ def ingest_in_parallel(config: IngestConfig, schema: SchemaConfig, out_dir: Path
 
 
 def _check_drift(
-    previous: str | None, out_dir: Path, schema: SchemaConfig, drift: DriftConfig
+    previous: str | None, out_dir: Location, schema: SchemaConfig, drift: DriftConfig
 ) -> list[dict]:
     """Write this run's stats.json; return findings against the previous output's.
 
     Args:
         previous: The previous ingest output (a path, or a URL for a remote root).
-        out_dir: This run's staging directory.
+        out_dir: This run's staging directory (a data prefix URL for a remote root).
         schema: The raw columns.
         drift: The drift checks.
     """
     if drift.policy == "off":
         return []
-    stats = compute_stats(out_dir / "events", schema, drift.top_values)
-    (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=1))
+    stats = compute_stats(join(out_dir, "events"), schema, drift.top_values)
+    locations.write_text(join(out_dir, STATS_FILE), json.dumps(stats, indent=1))
     if previous is None:
         return []
     # Only the small stats file is read, not the previous output's events.

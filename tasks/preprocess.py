@@ -5,15 +5,16 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
+from data_prep.locations import join
 from data_prep.preprocess import PreprocessConfig, preprocess_events
 from data_prep.schema import SchemaConfig
 from tasks.common import (
     Mode,
     StageOutput,
     as_state,
-    local_dir,
+    data_location,
     prefect_file_mapper,
-    run_stage,
+    run_stage_at,
     stage_fingerprint,
     task_options,
 )
@@ -32,12 +33,12 @@ def preprocess_task(
     """Split clean events, fit the feature transform on train, transform every split."""
     fp = stage_fingerprint("preprocess", preprocess_section(config, schema), [ingest])
 
-    def produce(out_dir: Path) -> dict:
+    def produce(out_dir: Path | str) -> dict:
         with terminal_progress("preprocess rows", ingest.meta.get("good_rows")) as advance:
             result = preprocess_events(
                 config,
                 schema,
-                local_dir(ingest) / "events",
+                join(data_location(ingest), "events"),
                 out_dir,
                 on_progress=advance,
                 map_files=prefect_file_mapper("preprocess"),
@@ -52,7 +53,7 @@ def preprocess_task(
             "sequences": result.sequences,
         }
 
-    output = run_stage("preprocess", fp, mode, root, produce)
+    output = run_stage_at("preprocess", fp, mode, root, produce)
     if output.status != "skipped":
         create_table_artifact(
             key="preprocess-summary",

@@ -1,21 +1,29 @@
-"""Prefect task for the shard stage."""
+"""Prefect task for the shard stage.
+
+With a local root the shards are written in this process (``write_shards``). With an
+object-store root the shuffle's three passes run as tasks on the flow's task runner
+(Dask workers with ``--dask``), reading and writing only URLs under the root: their
+parts go to a scratch prefix next to the output's data prefix, deleted at the end.
+"""
 
 from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from data_prep.shard import ShardConfig, write_shards
+from data_prep.shard import ShardConfig, write_shards, write_shards_distributed
 from tasks.common import (
     Mode,
     StageOutput,
     as_state,
-    local_dir,
-    run_stage,
+    data_location,
+    prefect_file_mapper,
+    run_stage_at,
     stage_fingerprint,
     task_options,
 )
 from tasks.progress import terminal_progress
+from tasks.store import remove_tree
 
 
 @task(name="shard", task_run_name="shard", **task_options())
@@ -23,13 +31,28 @@ def shard_task(config: ShardConfig, preprocess: StageOutput, root: str, mode: Mo
     """Write balanced, shuffled train/valid/test shards and dataset.json."""
     fp = stage_fingerprint("shard", config.model_dump(), [preprocess])
 
-    def produce(out_dir: Path) -> dict:
+    def produce(out_dir: Path | str) -> dict:
         total = sum(preprocess.meta.get("rows", {}).values()) or None
+        source = data_location(preprocess)
         with terminal_progress("shard rows", total) as advance:
-            result = write_shards(config, local_dir(preprocess), out_dir, on_progress=advance)
+            if isinstance(out_dir, Path):
+                result = write_shards(config, source, out_dir, on_progress=advance)
+            else:
+                scratch = f"{out_dir}-scratch"
+                try:
+                    result = write_shards_distributed(
+                        config,
+                        source,
+                        out_dir,
+                        scratch,
+                        prefect_file_mapper("shard"),
+                        on_progress=advance,
+                    )
+                finally:
+                    remove_tree(scratch)
         return {"rows": result.rows, "shards": result.shards}
 
-    output = run_stage("shard", fp, mode, root, produce)
+    output = run_stage_at("shard", fp, mode, root, produce)
     if output.status != "skipped":
         create_table_artifact(
             key="shard-stats",

@@ -343,6 +343,43 @@ class ArtifactStore:
         _replace_dir(staging, self.output_dir(stage, fp))
         return manifest
 
+    def new_data_prefix(self, stage: str, fp: str) -> str:
+        """A fresh data prefix of a remote output, for tasks that write there themselves."""
+        return join_url(self.output_url(stage, fp), f"data-{uuid.uuid4().hex[:12]}")
+
+    def publish_prefix(self, stage: str, fp: str, data_url: str, files: dict, meta: dict) -> dict:
+        """Seal objects already written under `data_url` (a `new_data_prefix`).
+
+        Every object `files` describes ({rel: {"bytes", "sha256"[, "rows"]}}) must be
+        there with its size; the manifest naming the prefix, with each object's ETag, is
+        written last (the commit point), then the replaced output's objects go.
+
+        Raises:
+            OSError: An object is missing or has another size than described (transient:
+                the stage runs again).
+        """
+        url = self.output_url(stage, fp)
+        previous = remote_manifest(url, strict=False)
+        fs, path = filesystem(data_url)
+        fs.invalidate_cache(path)
+        listing = {
+            name.removeprefix(path.rstrip("/") + "/"): info
+            for name, info in fs.find(path, detail=True).items()
+        }
+        entries = {}
+        for rel, entry in sorted(files.items()):
+            info = listing.get(rel)
+            if info is None or info["size"] != entry["bytes"]:
+                raise OSError(f"{join_url(data_url, rel)} is missing or changed before publishing")
+            entries[rel] = {**entry, "etag": _etag(info)}
+        _chaos_fault(stage)("before-manifest")
+        data = data_url.rstrip("/").rsplit("/", 1)[-1]
+        manifest = {**_manifest(stage, fp, entries, meta), "data": data}
+        write_json(join_url(url, MANIFEST), manifest)
+        if previous and previous.get("data") and previous["data"] != data:
+            remove_tree(join_url(url, previous["data"]))
+        return manifest
+
     def keep_failed(self, stage: str, fp: str, staging: Path) -> Path:
         """Move a failed stage's partial output out of the stage tree, for inspection."""
         target = self.root / "failed" / stage / f"{fp[:16]}-{time.strftime('%Y%m%dT%H%M%S')}"
@@ -526,6 +563,22 @@ def describe_files(staging: Path) -> dict[str, dict]:
             entry["rows"] = pq.ParquetFile(path).metadata.num_rows
         files[path.relative_to(staging).as_posix()] = entry
     return files
+
+
+def describe_object(url: str) -> dict:
+    """{"bytes", "sha256"[, "rows"]} of one object, read through fsspec (`describe_files`)."""
+    fs, path = filesystem(url)
+    digest = hashlib.sha256()
+    size = 0
+    with fs.open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    entry = {"bytes": size, "sha256": digest.hexdigest()}
+    if url.endswith(".parquet"):
+        with fs.open(path, "rb") as handle:
+            entry["rows"] = pq.ParquetFile(handle).metadata.num_rows
+    return entry
 
 
 def _manifest(stage: str, fp: str, files: dict, meta: dict) -> dict:
