@@ -59,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--dask",
         default=None,
         metavar="ADDRESS|local:N",
-        help="map the data stages over a Dask cluster: a scheduler address, or local:N for a "
-        "LocalCluster of N worker processes",
+        help="map the data stages over a Dask cluster: a scheduler address (tcp://host:8786), "
+        "or local:N for a LocalCluster of N worker processes. With an object-store --root the "
+        "workers share no disk with this process: they read and write only under the root "
+        "(with their own credentials), and ingest.path must be a URL they can read",
     )
 
     generate = commands.add_parser("generate", help="write the synthetic default dataset")
@@ -234,7 +236,12 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def task_runner(workers: int | None, dask: str | None):
-    """Threads by default; a Dask cluster (prefect-dask) when asked for."""
+    """Threads by default; a Dask cluster (prefect-dask) when asked for.
+
+    A cluster at an address gets nothing from this process but the tasks: with an
+    object-store root the ingest task first checks that every worker reaches the root
+    and runs this code (`tasks.ingest.check_workers`) and that ingest.path is a URL.
+    """
     if dask is None:
         from prefect.task_runners import ThreadPoolTaskRunner
 

@@ -1,6 +1,7 @@
 """Prefect task for the ingest stage, with dataset checks against the previous run."""
 
 import json
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
@@ -30,11 +31,19 @@ from tasks.common import (
     StageOutput,
     as_state,
     run_stage_at,
+    stage_code_version,
     stage_fingerprint,
     task_options,
 )
 from tasks.progress import terminal_progress
-from tasks.store import ArtifactStore, is_remote, join_url, read_text, remote_manifest
+from tasks.store import (
+    ArtifactStore,
+    StoreUnreachable,
+    is_remote,
+    join_url,
+    read_text,
+    remote_manifest,
+)
 
 STATS_FILE = "stats.json"
 
@@ -62,8 +71,10 @@ def ingest_task(
 ) -> StageOutput:
     """Validate raw logs into clean events and a quarantine; compare with the last run."""
     store = ArtifactStore(root)
-    if store.remote:
-        check_inputs_reachable(config.path, _dask_address())
+    cluster = _dask_cluster()
+    if store.remote and cluster is not None:
+        check_inputs_reachable(config.path, cluster.address)
+        check_workers(cluster.client, root)
     section = ingest_section(config, schema, drift, describe_inputs(config.path, config.format))
     fp = stage_fingerprint("ingest", section, [])
     logger = get_run_logger()
@@ -138,14 +149,56 @@ def check_inputs_reachable(path: str, dask_address: str | None) -> None:
     )
 
 
-def _dask_address() -> str | None:
-    """The scheduler address when this flow's task runner is a Dask cluster at an address
-    (`--dask tcp://...`); None for threads or a cluster it started itself (`--dask local:N`)."""
+DATA_STAGES = ("ingest", "preprocess", "shard")
+
+
+def check_workers(client: Any, root: str) -> None:
+    """Fail fast when a Dask worker could not do the data stages' work against `root`.
+
+    Every worker must reach the object store with its own environment (credentials,
+    ``AWS_ENDPOINT_URL``) and run the code this flow fingerprints its outputs with.
+
+    Args:
+        client: A ``distributed.Client`` of the cluster.
+        root: The artifact store root (a URL).
+
+    Raises:
+        StoreUnreachable: A worker cannot list the root; the message names the worker.
+        ConfigError: A worker runs other recforge code (another checkout or version).
+    """
+    expected = {stage: stage_code_version(stage) for stage in DATA_STAGES}
+    for address, (codes, error) in sorted(client.run(_worker_view, root).items()):
+        if error:
+            raise StoreUnreachable(
+                f"the Dask worker {address} cannot use the artifact store: {error} (set "
+                "these in the workers' environment; they share nothing with this process)"
+            )
+        stale = [stage for stage in DATA_STAGES if codes.get(stage) != expected[stage]]
+        if stale:
+            raise ConfigError(
+                f"the Dask worker {address} runs other recforge code than this process for "
+                f"{', '.join(stale)}: install this checkout on the workers, then run again."
+            )
+
+
+def _worker_view(root: str) -> tuple[dict[str, str], str]:
+    """On a worker: its data stages' code versions, and why it cannot reach `root` ("")."""
+    codes = {stage: stage_code_version(stage) for stage in DATA_STAGES}
+    try:
+        ArtifactStore(root).check_reachable()
+    except (StoreUnreachable, ConfigError) as err:
+        return codes, str(err)
+    return codes, ""
+
+
+def _dask_cluster() -> Any:
+    """This flow's task runner when it is a Dask cluster at an address (`--dask tcp://...`);
+    None for threads or a cluster the runner started itself (`--dask local:N`)."""
     context = FlowRunContext.get()
     runner = getattr(context, "task_runner", None)
-    if type(runner).__name__ != "DaskTaskRunner":
+    if type(runner).__name__ != "DaskTaskRunner" or not getattr(runner, "address", None):
         return None
-    return getattr(runner, "address", None)
+    return runner
 
 
 def ingest_in_parallel(

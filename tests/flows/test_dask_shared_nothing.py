@@ -20,7 +20,15 @@ import pytest
 
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
-from tasks.store import CACHE_DIR_ENV, MANIFEST, filesystem, read_text, remote_manifest
+from tasks.ingest import check_workers
+from tasks.store import (
+    CACHE_DIR_ENV,
+    MANIFEST,
+    StoreUnreachable,
+    filesystem,
+    read_text,
+    remote_manifest,
+)
 
 distributed = pytest.importorskip("distributed")
 pytest.importorskip("prefect_dask")
@@ -237,6 +245,13 @@ def test_dask_workers_without_the_flows_disk_write_the_thread_runners_shards(
         client.run(
             lambda dask_worker: dask_worker.plugins[SharedNothingGuard.name].violations.clear()
         )
+
+        # What the ingest task checks first: each worker reaches the root with its own
+        # environment and runs this checkout's code.
+        check_workers(client, s3_root)
+        missing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x"
+        with pytest.raises(StoreUnreachable, match=r"the Dask worker tcp://127\.0\.0\.1:\d+ "):
+            check_workers(client, missing)
 
         runner = task_runner(None, cluster.scheduler_address)
         # A local input path is refused at once: the workers could not read it.
