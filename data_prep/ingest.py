@@ -30,7 +30,9 @@ The work is one call of ``ingest_file`` per input file (each writes its own part
 and ``combine_reports`` over their reports, so that a task runner can map over files;
 ``ingest_logs`` runs them on a thread per core (in order when records are numbered
 across files). The output is the same bytes for the same input, whatever pyarrow's
-thread count or the number of files ingested at once.
+thread count or the number of files ingested at once. The output directory may be an
+fsspec URL (``data_prep.locations``): then every file is written through fsspec by
+whoever runs the step, with the same bytes.
 """
 
 import hashlib

@@ -31,6 +31,11 @@ counting pass for every vocabulary and dense statistic (partial statistics per f
 merged), one transform pass per file. Memory is bounded by ``batch_rows``, the
 vocabularies and, for ``leave_last_out``, a few integers per user; it does not grow with
 the number of events.
+
+Input and output may be fsspec URLs (``data_prep.locations``): the per-file steps then
+read and write through fsspec wherever they run, with the same bytes. Only the sequence
+builder's sort spills to a local temporary directory of the process that calls
+``preprocess_events``.
 """
 
 import math

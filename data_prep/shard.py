@@ -27,6 +27,10 @@ written while the next is permuted) plus one row group per shard, whatever the s
 size. valid and test are written while train is shuffled. With ``num_train_shards`` a
 multiple of the training world size every rank reads its own files
 (``training.ctr.data.rank_slices``).
+
+``write_shards_distributed`` writes the same files, byte for byte, as three passes of
+tasks that share only locations (fsspec URLs on a cluster): scatter per train row
+group, deal per bucket, write per shard (see "the shuffle as tasks" below).
 """
 
 import json

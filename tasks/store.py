@@ -30,6 +30,10 @@ store keeps the same guarantees on its own terms:
   whose every object exists with the listed size and ETag (no download), and
   `materialize` copies an output into the local mirror (`local_mirror`) checking
   every file's sha256 (`CorruptOutput` names the object that differs);
+- the data stages' tasks may instead write straight under a fresh data prefix
+  (`new_data_prefix`; no local staging, so a worker elsewhere needs only the URL);
+  `publish_prefix` then checks the described objects against one listing and writes
+  the manifest last, the same commit point;
 - run records, `latest/` pointers and registry files are single PUTs.
 
 The local side of a remote store (staging, materialized outputs, train resume

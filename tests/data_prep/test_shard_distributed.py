@@ -87,3 +87,43 @@ def test_distributed_shard_names_the_missing_input(tmp_path):
     with pytest.raises(InputNotFoundError, match=r"transform.json' is missing"):
         write_shards_distributed(ShardConfig(), f"{url}/nothing", f"{url}/s", f"{url}/t", map)
     assert join(url, "a", "b") == f"{url}/a/b"
+
+
+def test_preprocess_with_sequences_writes_the_same_files_to_a_url(tmp_path):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from data_prep.schema import SchemaConfig
+
+    schema = SchemaConfig(
+        user_key="user_id",
+        item_key="item_id",
+        fields=[
+            {"name": "ts", "dtype": "int64", "role": "timestamp"},
+            {"name": "user_id", "dtype": "int64", "role": "sparse"},
+            {"name": "item_id", "dtype": "int64", "role": "sparse"},
+            {"name": "click", "dtype": "int64", "role": "label"},
+        ],
+    )
+    rng = np.random.default_rng(1)
+    n = 3000
+    (tmp_path / "events").mkdir()
+    table = pa.table(
+        {
+            "ts": np.sort(rng.integers(0, 10_000, n)),
+            "user_id": rng.integers(1, 60, n),
+            "item_id": rng.integers(1, 40, n),
+            "click": rng.integers(0, 2, n),
+        }
+    )
+    pq.write_table(table.slice(0, n // 2), tmp_path / "events" / "part-00000.parquet")
+    pq.write_table(table.slice(n // 2), tmp_path / "events" / "part-00001.parquet")
+    config = PreprocessConfig(split="leave_last_out", min_count=1, sequence_length=5)
+    local = preprocess_events(config, schema, tmp_path / "events", tmp_path / "pre")
+    url = f"memory://recforge-{uuid.uuid4().hex[:8]}/pre"
+    remote = preprocess_events(config, schema, tmp_path / "events", url)
+    assert remote.sequences == local.sequences and local.sequences
+    expected = tree(tmp_path / "pre")
+    assert any(name.startswith("sequences/") for name in expected)
+    assert tree(url) == expected
