@@ -284,6 +284,15 @@ def test_dask_workers_without_the_flows_disk_write_the_thread_runners_shards(
         r: {k: v for k, v in e.items() if k not in strip} for r, e in dask_manifest["files"].items()
     } == local_manifest["files"]
 
+    # What the workers published verifies for any runner; the shuffle as tasks on
+    # threads (an S3 root, no cluster) writes the same shards again.
+    again = pipeline.with_options(task_runner=ThreadPoolTaskRunner(max_workers=2))(
+        config=TINY, root=s3_root, only=["shard"], overrides=overrides
+    )
+    again_record = json.loads(read_text(again))
+    assert [again_record["stages"][s]["status"] for s in DATA_STAGES] == ["cached"] * 2 + ["ran"]
+    assert shard_files(s3_root, again_record)[0] == local_files
+
     # Nothing on the workers touched the flow's disk, and they did the work.
     assert {r["cwd"] for r in reports.values()}.isdisjoint({str(REPO), os.getcwd()})
     assert [v for r in reports.values() for v in r["violations"]] == []
