@@ -26,6 +26,7 @@ from tasks.store import (
     MANIFEST,
     StoreUnreachable,
     filesystem,
+    materialize,
     read_text,
     remote_manifest,
 )
@@ -292,6 +293,9 @@ def test_dask_workers_without_the_flows_disk_write_the_thread_runners_shards(
     again_record = json.loads(read_text(again))
     assert [again_record["stages"][s]["status"] for s in DATA_STAGES] == ["cached"] * 2 + ["ran"]
     assert shard_files(s3_root, again_record)[0] == local_files
+    # The train stage's way in: a sha256-checked local copy of the published shards.
+    copy = materialize(again_record["stages"]["shard"]["output"])
+    assert {name: (copy / name).read_bytes() for name in local_files} == local_files
 
     # Nothing on the workers touched the flow's disk, and they did the work.
     assert {r["cwd"] for r in reports.values()}.isdisjoint({str(REPO), os.getcwd()})
