@@ -47,18 +47,33 @@ class CheckpointMirror:
         self._log = log
         self._uploaded: set[int] = set()
 
-    def pull(self) -> int | None:
+    def pull(self, exact: bool = False) -> int | None:
         """Download the newest remote checkpoint that verifies, unless one as new is local.
 
         Each candidate is downloaded next to the local ones and verified (sizes and
         sha256 against its manifest) before it is renamed into place; one that does not
         verify is logged and the next older tried.
 
+        Args:
+            exact: First delete the local checkpoints newer than the newest remote one
+                (launcher 'per_node': every node's copy must resume from the same step,
+                and only what reached the store is known to every node).
+
         Returns:
             The step downloaded, or None (nothing remote, or nothing newer).
         """
+        remote = sorted(self._remote_steps(committed=True), reverse=True)
+        if exact:
+            # Other nodes pull these now: never upload them again (a re-upload briefly
+            # uncommits a checkpoint).
+            self._uploaded.update(remote)
+            newest = remote[0] if remote else -1
+            for step in self._local_steps():
+                if step > newest:
+                    shutil.rmtree(self.local_root / checkpoint_name(step))
+                    self._log(f"local checkpoint of step {step} never reached {self.url}; removed")
         local = max(self._local_steps(), default=-1)
-        for step in sorted(self._remote_steps(committed=True), reverse=True):
+        for step in remote:
             if step <= local:
                 return None
             name = checkpoint_name(step)

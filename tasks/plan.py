@@ -79,7 +79,7 @@ def stage_bases(config: Any) -> dict[Stage, StageBasis]:
             config.shard.model_dump(), ("preprocess",), tuple(stage_modules("shard")), "shard"
         ),
         "train": StageBasis(
-            config.train.model_dump(),
+            config.train.fingerprinted(),
             ("shard", "preprocess"),
             tuple(stage_modules("train")),
             "train",

@@ -16,6 +16,19 @@ from data_prep.errors import ConfigError
 
 SEQUENCE_MODELS = ("sasrec", "bst")
 
+# Train fields that say where the ranks run, not what they train: the same model comes
+# out of 1 node x 2 ranks and 2 nodes x 1 rank, so neither the stage's cache key nor a
+# resume depends on them.
+WHERE_FIELDS = (
+    "nodes",
+    "ranks_per_node",
+    "launcher",
+    "hostfile",
+    "master_addr",
+    "master_port",
+    "ssh_port",
+)
+
 
 class SequenceModelConfig(BaseModel):
     """The `train.sequence` section: SASRec/BST architecture and next-item objective.
@@ -322,9 +335,63 @@ class TrainConfig(BaseModel):
         description="Sequence models with eval_every_epochs: seed of the valid split's "
         "negatives; keep it equal to evaluate.negatives_seed.",
     )
-    world_size: int = Field(2, ge=1, description="Number of training ranks (processes).")
+    world_size: int = Field(
+        2,
+        ge=1,
+        description="Number of training ranks (processes), over all nodes; nodes * "
+        "ranks_per_node. Default: 2, or nodes * ranks_per_node when ranks_per_node is set.",
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="Machines the ranks run on; more than 1 needs launcher 'ssh' or "
+        "'per_node'. Where the ranks run, not what they train: 2 nodes x 1 rank train the "
+        "same model as 1 node x 2 ranks.",
+    )
+    ranks_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="Ranks on each node; default world_size / nodes (which must divide).",
+    )
+    launcher: Literal["local", "ssh", "per_node"] = Field(
+        "local",
+        description="'local': DeepSpeed's launcher starts every rank on this machine. "
+        "'ssh': `deepspeed --hostfile` starts them on the hostfile's first `nodes` hosts "
+        "over ssh (DeepSpeed's pdsh launcher); the paths must be on a filesystem every node "
+        "shares. 'per_node': one Prefect task run per node launches that node's ranks "
+        "(`deepspeed --no_ssh --node_rank=i`); nodes share nothing but the artifact root "
+        "(object storage), through which their checkpoint files travel.",
+    )
+    hostfile: str | None = Field(
+        None,
+        description="DeepSpeed hostfile (`host slots=N` lines): required by launcher 'ssh' "
+        "(its first `nodes` hosts run the ranks); with 'per_node' it names the nodes "
+        "(default node-0 .. node-N-1).",
+    )
+    master_addr: str = Field(
+        "127.0.0.1",
+        description="Rendezvous address: node 0's address that every node can reach.",
+    )
+    master_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Rendezvous TCP port on master_addr; default a port free on this "
+        "machine when the train stage starts (set it for a cluster's firewall).",
+    )
+    ssh_port: int | None = Field(
+        None, ge=1, le=65535, description="launcher 'ssh': the hosts' ssh port (default 22)."
+    )
     seed: int = Field(0, description="Seed of python, numpy and torch on every rank.")
     log_every: int = Field(20, ge=1, description="Report progress every this many steps.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_world_size(cls, data: object) -> object:
+        # ranks_per_node without world_size: world_size follows from the layout.
+        if isinstance(data, dict) and data.get("ranks_per_node") and "world_size" not in data:
+            return {**data, "world_size": int(data.get("nodes", 1)) * int(data["ranks_per_node"])}
+        return data
 
     @model_validator(mode="after")
     def _check_layer_sizes(self) -> TrainConfig:
@@ -339,6 +406,7 @@ class TrainConfig(BaseModel):
                     f"train.{name}={shown!r} does not apply to train.model={self.model}; "
                     f"{hint}remove it (default {_shown_default(default)})"
                 )
+        self._check_nodes()
         if self.model in SEQUENCE_MODELS:
             self._check_sequence_model()
         if any(size < 1 for size in self.bottom_mlp):
@@ -374,6 +442,67 @@ class TrainConfig(BaseModel):
                 "change batch_size or data_streams"
             )
         return self
+
+    def _check_nodes(self) -> None:
+        """The node layout and its launcher (ValueError naming the field)."""
+        if self.ranks_per_node is not None and self.nodes * self.ranks_per_node != self.world_size:
+            raise ValueError(
+                f"train.world_size={self.world_size} is not train.nodes={self.nodes} x "
+                f"train.ranks_per_node={self.ranks_per_node}; set world_size: "
+                f"{self.nodes * self.ranks_per_node} or remove it"
+            )
+        if self.world_size % self.nodes:
+            raise ValueError(
+                f"train.nodes={self.nodes} does not divide train.world_size={self.world_size}: "
+                "every node runs the same number of ranks; set train.ranks_per_node"
+            )
+        if self.nodes > 1 and self.launcher == "local":
+            raise ValueError(
+                f"train.nodes={self.nodes} needs train.launcher: ssh (with a hostfile) or "
+                "per_node; launcher 'local' starts every rank on this machine"
+            )
+        if self.launcher == "ssh" and not self.hostfile:
+            raise ValueError(
+                "train.launcher=ssh needs train.hostfile (DeepSpeed's `host slots=N` lines)"
+            )
+        if self.launcher == "ssh" and self.nodes > 1 and self.master_addr == "127.0.0.1":
+            raise ValueError(
+                "train.launcher=ssh with train.nodes > 1: set train.master_addr to node 0's "
+                "address that every host can reach (127.0.0.1 is each host itself)"
+            )
+        if self.launcher == "local" and self.hostfile:
+            raise ValueError(
+                f"train.hostfile={self.hostfile!r} applies to launcher 'ssh' or 'per_node'; "
+                "remove it or set train.launcher"
+            )
+        if self.launcher != "ssh" and self.ssh_port:
+            raise ValueError(
+                f"train.ssh_port={self.ssh_port} applies to launcher 'ssh' only; remove it"
+            )
+        if self.model in SEQUENCE_MODELS and self.launcher == "per_node" and self.nodes > 1:
+            raise ValueError(
+                f"train.launcher=per_node with train.nodes={self.nodes} trains the CTR models "
+                f"only so far; train.model={self.model} runs on several nodes with launcher "
+                "'ssh' (a shared filesystem), or on one node"
+            )
+        stages = self.pipeline_stages
+        if self.nodes > 1 and stages > 1 and self.nodes % stages and stages % self.nodes:
+            # DeepSpeed places a stage's data-parallel ranks next to each other (rank =
+            # stage * replicas + replica): node borders fall on stage borders only when
+            # every node holds whole stages or every stage whole nodes.
+            raise ValueError(
+                f"train.nodes={self.nodes} x ranks_per_node={self.world_size // self.nodes} "
+                f"does not divide train.pipeline_stages={stages}: a stage would straddle two "
+                "nodes; choose nodes that divide pipeline_stages, or a multiple of it"
+            )
+
+    def fingerprinted(self) -> dict:
+        """What the train stage's cache key covers: every field but `WHERE_FIELDS`."""
+        return self.model_dump(exclude=set(WHERE_FIELDS))
+
+    def node_ranks(self) -> int:
+        """Ranks on each node: `ranks_per_node`, or world_size / nodes."""
+        return self.world_size // self.nodes
 
     def _check_sequence_model(self) -> None:
         """The pipeline layout and the sequence section (ValueError naming the field)."""

@@ -330,10 +330,10 @@ def test_tiny_pipeline_on_s3_killed_in_train_resumes_from_s3_then_is_all_cached(
     ((fp, steps),) = committed_in_s3(s3_root).items()
     in_s3 = max(steps)  # the newest committed checkpoint the killed run uploaded
 
-    # Another machine: nothing local. Upstream outputs and the checkpoint come from S3.
-    # (Same cache path: the ranks' resume fingerprint includes where the shards are.)
+    # Another machine: nothing local, another cache directory. Upstream outputs and the
+    # checkpoint come from S3 (a resume knows the shards by their sha256s, not their path).
     shutil.rmtree(first_cache)
-    second = recforge_run(s3_root, raw, s3_environment(moto_endpoint, first_cache))
+    second = recforge_run(s3_root, raw, s3_environment(moto_endpoint, tmp_path / "machine-two"))
     out, err = second.communicate(timeout=600)
     assert second.returncode == 0, (out + err)[-3000:]
     last = out.strip().splitlines()[-1]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,8 @@ from training.ctr.memory import check_memory, plan_memory
 from training.ctr.model import build_arch, model_config_from
 from training.ctr.reader import steps_per_epoch
 from training.runtime.deepspeed_config import build_deepspeed_config
-from training.runtime.launcher import TrainResult, chaos_settings
+from training.runtime.files import data_identity
+from training.runtime.launcher import NodeLaunch, TrainResult, chaos_settings
 from training.runtime.memory import MemoryPlan
 from training.runtime.stage import NOT_FINGERPRINTED, LaunchPlan, resume_root, run_train_stage
 
@@ -97,7 +99,9 @@ def train_model(
     python: str = sys.executable,
     memory_budget: tuple[int, str] | None = None,
     checkpoint_root: Path | None = None,
-) -> TrainResult:
+    node: NodeLaunch | None = None,
+    stop: threading.Event | None = None,
+) -> TrainResult | None:
     """Train a CTR model with `config.world_size` DeepSpeed ranks on this machine.
 
     Args:
@@ -121,8 +125,13 @@ def train_model(
             task uses one per fingerprint) so that a retry resumes. Default
             `out_dir / "resume"`.
 
+        node: Where the ranks run on more than one node (`training.runtime.launcher.
+            NodeLaunch`); None: every rank on this machine.
+        stop: Set by the caller to stop the ranks (another node of the run failed).
+
     Returns:
-        The run's result (`resumed_from_step`: the checkpoint it continued from).
+        None for a node other than node 0 (node 0's ranks write the outputs); else
+        the run's result (`resumed_from_step`: the checkpoint it continued from).
 
     Raises:
         InputNotFoundError: dataset.json or the shard directory is missing.
@@ -147,6 +156,8 @@ def train_model(
         python,
         memory_budget,
         checkpoint_root,
+        node,
+        stop,
     )
 
 
@@ -217,7 +228,7 @@ def config_fingerprint(spec: Mapping[str, Any]) -> str:
 
     The train config (less reporting and saving fields, and the per-rank batch), the
     global batch and data streams, the model and DeepSpeed configs, the step plan and
-    the data's location.
+    the data (its manifest's sha256s, or its location).
     """
     config = TrainConfig.model_validate(spec["train_config"])
     # The world size may change between runs (the checkpoint is converted and its rows
@@ -233,7 +244,8 @@ def config_fingerprint(spec: Mapping[str, Any]) -> str:
         "model_config": spec["model_config"],
         "ds_config": ds_config,
         "total_steps": spec["total_steps"],
-        "shards_dir": spec["shards_dir"],
+        # By content where the shards are a published output: another cache or node resumes.
+        "shards": data_identity(Path(spec["shards_dir"])),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

@@ -76,6 +76,7 @@ from training.runtime.consolidate import (
     write_dense,
     write_pieces,
 )
+from training.runtime.exchange import NodeExchange
 from training.runtime.files import (
     CHECKPOINT_DIR,
     CHECKPOINT_TAG,
@@ -293,6 +294,9 @@ def run(spec: dict[str, Any]) -> None:
         reader.close()
     seconds = time.monotonic() - started
     _save_final_checkpoint(spec, engine, store, reader, out_dir, rank, world_size)
+    exchange = NodeExchange.from_spec(spec.get("node_exchange"))
+    # Nodes without a shared disk: every node's final checkpoint gets every rank's part.
+    exchange.share(out_dir / CHECKPOINT_DIR / CHECKPOINT_TAG, "final")
     table_sizes = list(spec["model_config"]["table_sizes"])
     _write_weights(
         engine,
@@ -300,7 +304,7 @@ def run(spec: dict[str, Any]) -> None:
         out_dir / WEIGHTS_FILE,
         config,
         table_sizes if store is not None else None,
-        rank,
+        exchange.output_writers(rank, world_size),
         world_size,
         spec.get("chaos", {}).get("consolidation_chunk_rows"),
     )
@@ -379,7 +383,10 @@ def _initialize_engine(
             Path(spec["checkpoint_root"]), keep=config.keep_checkpoints, log=print
         )
         resume_point = find_resume_point(
-            resume_store, spec["config_fingerprint"], config.zero_stage
+            resume_store,
+            spec["config_fingerprint"],
+            config.zero_stage,
+            exchange=NodeExchange.from_spec(spec.get("node_exchange")),
         )
         if resume_point is not None and resume_point.universal:
             ds_config = {**ds_config, "checkpoint": {"load_universal": True}}
@@ -539,6 +546,7 @@ def _checkpoint_step(state: _Rank) -> None:
         {"step": step, "micro_done": state.counters.micro_done},
         spec["config_fingerprint"],
         spec.get("chaos", {}).get("checkpoint_fault", ""),
+        NodeExchange.from_spec(spec.get("node_exchange")),
     )
     if stop:
         raise Preempted(
@@ -652,11 +660,15 @@ def _write_weights(
     path: Path,
     config: TrainConfig,
     table_sizes: list[int] | None,
-    rank: int,
+    writer: tuple[int, int] | None,
     world_size: int,
     chunk_rows: int | None = None,
 ) -> None:
     """Every rank: consolidate the checkpoint into `path` (fp32 `CTRModel` weights).
+
+    `writer` is (this rank's index, count) among the ranks that write `path` (every rank,
+    or node 0's when nodes share no disk: `NodeExchange.output_writers`); None: this
+    rank only keeps the others company in the collectives.
 
     Streams (`training.runtime.consolidate`): rank 0 plans the file and writes the dense
     tensors one at a time; with sharded embeddings (`table_sizes` given) every rank
@@ -665,6 +677,7 @@ def _write_weights(
     feature's default row, which is what training fed the model for them. `chunk_rows`
     (the chaos tests') overrides the 64 MiB chunks.
     """
+    rank = dist.get_rank()
     dense: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     default_rows: torch.Tensor | None = None
@@ -684,21 +697,21 @@ def _write_weights(
     if rank == 0:
         create_file(path, layout)
     dist.barrier()  # the file exists at its full size
-    with open(partial_path(path), "r+b") as file:
-        if table_sizes is not None:
-            shard_files = [tag_dir / sparse_file(r, world_size) for r in range(world_size)]
-            chunks = table_chunks(
-                shard_files,
-                table_sizes,
-                default_rows,
-                config.admission_min_count,
-                rank,
-                world_size,
-                chunk_rows or chunk_rows_for(config.embedding_dim),
-            )
-            write_pieces(file, layout, TABLE_NAME, chunks)
-        if rank == 0:
-            write_dense(file, layout, dense, CHUNK_BYTES // FP32_BYTES)
+    if writer is not None:
+        with open(partial_path(path), "r+b") as file:
+            if table_sizes is not None:
+                shard_files = [tag_dir / sparse_file(r, world_size) for r in range(world_size)]
+                chunks = table_chunks(
+                    shard_files,
+                    table_sizes,
+                    default_rows,
+                    config.admission_min_count,
+                    *writer,
+                    chunk_rows or chunk_rows_for(config.embedding_dim),
+                )
+                write_pieces(file, layout, TABLE_NAME, chunks)
+            if rank == 0:
+                write_dense(file, layout, dense, CHUNK_BYTES // FP32_BYTES)
     dist.barrier()  # every rank's ranges are written
     if rank == 0:
         finish_file(path, layout)

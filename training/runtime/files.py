@@ -52,3 +52,38 @@ MODEL_CONFIG_FILE = "model_config.json"
 
 
 WEIGHTS_FILE = "model.safetensors"
+
+
+# The artifact store's manifest of a published stage output (`tasks.store`): the sha256
+# of every file, written last.
+OUTPUT_MANIFEST = "_manifest.json"
+
+
+def data_identity(path: Path) -> str:
+    """What a resume checks the training data by: its content where known, else its path.
+
+    Inside a published stage output (a manifest in `path` or up to two directories
+    above), the sha256 of what the manifest lists under `path`: the same data has the
+    same identity on every machine and in every cache directory, so a run resumes on
+    another node or after `RECFORGE_CACHE_DIR` moved. Elsewhere (a library call on a
+    directory of its own) the resolved path.
+    """
+    path = Path(path).resolve()
+    for root in (path, *list(path.parents)[:2]):
+        manifest_file = root / OUTPUT_MANIFEST
+        if not manifest_file.is_file():
+            continue
+        try:
+            files = json.loads(manifest_file.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            break
+        prefix = "" if root == path else f"{path.relative_to(root).as_posix()}"
+        listed = {
+            rel: entry.get("sha256")
+            for rel, entry in sorted(files.items())
+            if not prefix or rel == prefix or rel.startswith(prefix + "/")
+        }
+        if listed:
+            return "sha256:" + json.dumps(listed, sort_keys=True)
+        break
+    return str(path)

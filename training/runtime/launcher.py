@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -147,22 +148,67 @@ def chaos_settings(env: Mapping[str, str]) -> dict[str, Any]:
     return settings
 
 
+@dataclass(frozen=True)
+class NodeLaunch:
+    """Where a launch on more than one node starts its ranks (DeepSpeed's launcher terms).
+
+    Attributes:
+        hostfile: DeepSpeed's hostfile (`host slots=N` lines); its first `nodes` hosts.
+        nodes: Nodes the ranks run on.
+        ranks_per_node: Ranks started on each node.
+        master_addr: Node 0's address, the rendezvous.
+        node_rank: launcher 'per_node': the node this call starts (`--no_ssh
+            --node_rank`); None: launcher 'ssh' starts every node (pdsh over ssh).
+        ssh_port: launcher 'ssh': the hosts' ssh port, None for 22.
+        exchange: launcher 'per_node': the scratch URL through which nodes that share
+            no disk trade checkpoint files (`training.runtime.exchange`); None: they
+            share the checkpoint and output directories.
+    """
+
+    hostfile: Path
+    nodes: int
+    ranks_per_node: int
+    master_addr: str
+    node_rank: int | None = None
+    ssh_port: int | None = None
+    exchange: str | None = None
+
+
 def launcher_command(
-    python: str, world_size: int, master_port: int, module: str, spec_path: Path
+    python: str,
+    world_size: int,
+    master_port: int,
+    module: str,
+    spec_path: Path,
+    node: NodeLaunch | None = None,
 ) -> list[str]:
-    """The DeepSpeed launcher command that runs `module` on `world_size` local ranks."""
-    return [
-        python,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        str(world_size),
-        "--master_port",
-        str(master_port),
-        "--module",
-        module,
-        str(spec_path),
-    ]
+    """The DeepSpeed launcher command that runs `module`.
+
+    Without `node`: `world_size` ranks on this machine. With it: DeepSpeed's multi-node
+    launch as its documentation gives it, over ssh (`--hostfile --master_addr`) or one
+    node per call (`--no_ssh --node_rank=i`).
+    """
+    command = [python, "-m", "deepspeed.launcher.runner"]
+    if node is None:
+        command += ["--num_gpus", str(world_size)]
+    else:
+        command += [
+            "--hostfile",
+            str(node.hostfile),
+            "--num_nodes",
+            str(node.nodes),
+            "--num_gpus",
+            str(node.ranks_per_node),
+            "--master_addr",
+            node.master_addr,
+        ]
+        if node.node_rank is None:
+            command += ["--launcher", "pdsh"]
+            if node.ssh_port is not None:
+                command += ["--ssh_port", str(node.ssh_port)]
+        else:
+            command += ["--no_ssh", "--node_rank", str(node.node_rank)]
+    return [*command, "--master_port", str(master_port), "--module", module, str(spec_path)]
 
 
 def launch_ranks(
@@ -172,15 +218,20 @@ def launch_ranks(
     on_log: Callable[[str], None] | None,
     on_progress: Callable[[dict[str, Any]], None] | None,
     owner_file: Path | None = None,
-) -> dict[str, Any]:
+    collects: bool = True,
+    stop: threading.Event | None = None,
+) -> dict[str, Any] | None:
     """Run the launcher, streaming its output, and return the ranks' train summary.
+
+    `collects` False (a node other than node 0 of a per-node launch): the ranks write
+    no summary here; None is returned once they exit 0. Setting `stop` stops the ranks.
 
     Raises:
         TrainingCrashed: The launcher or a rank exited non-zero (with the ranks' error
             reports and the last lines), or it exited 0 without the summary and weights.
     """
     returncode, tail, rank_errors = run_launcher(
-        command, env, out_dir / LAUNCHER_LOG_FILE, on_log, on_progress, owner_file
+        command, env, out_dir / LAUNCHER_LOG_FILE, on_log, on_progress, owner_file, stop
     )
     if returncode != 0:
         errors = "".join(
@@ -203,6 +254,8 @@ def launch_ranks(
             f"{out_dir / LAUNCHER_LOG_FILE}); rank errors, first one first:"
             f"{errors or ' none reported'}\nlast lines:\n" + "\n".join(tail)
         )
+    if not collects:
+        return None
     summary_path = out_dir / SUMMARY_FILE
     if not summary_path.is_file() or not (out_dir / WEIGHTS_FILE).is_file():
         raise TrainingCrashed(
@@ -233,6 +286,7 @@ def run_launcher(
     on_log: Callable[[str], None] | None,
     on_progress: Callable[[dict[str, Any]], None] | None,
     owner_file: Path | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[int, list[str], list[dict[str, Any]]]:
     """Run the launcher in its own process group, streaming its merged output.
 
@@ -245,6 +299,9 @@ def run_launcher(
     is left of the group an earlier attempt recorded is killed: when the process that
     ran the flow died, its ranks (in a session of their own) live on, and must not write
     into the checkpoints this attempt resumes from.
+
+    Setting `stop` SIGTERMs the ranks' group (then SIGKILL after the grace), as Ctrl-C
+    would: another node of the same run failed, and these ranks would wait for it.
 
     Returns:
         (exit code, the last output lines, the ranks' error reports in arrival order).
@@ -272,6 +329,10 @@ def run_launcher(
             partial = owner_file.with_name(owner_file.name + ".tmp")
             partial.write_text(json.dumps(record) + "\n")
             os.replace(partial, owner_file)
+        if stop is not None:
+            threading.Thread(
+                target=_stop_when_set, args=(stop, process), daemon=True, name="launcher-stop"
+            ).start()
         try:
             assert process.stdout is not None  # stdout=PIPE above
             for raw_line in process.stdout:
@@ -295,6 +356,17 @@ def run_launcher(
             _kill_group(process)
             release_shm_buffers(master_port)
     return returncode, list(tail), rank_errors
+
+
+def _stop_when_set(stop: threading.Event, process: subprocess.Popen[str]) -> None:
+    """SIGTERM the launcher's group once `stop` is set, unless it exited first."""
+    while process.poll() is None:
+        if stop.wait(timeout=1.0):
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass  # exited meanwhile
+            return
 
 
 def release_shm_buffers(master_port: int) -> list[Path]:

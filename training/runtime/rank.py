@@ -25,7 +25,14 @@ import torch
 from safetensors.torch import save_file
 
 from data_prep.errors import ConfigError
-from training.runtime.checkpoint import FAULT_POINTS, MANIFEST, CheckpointStore, fsync_tree
+from training.runtime.checkpoint import (
+    FAULT_POINTS,
+    MANIFEST,
+    CheckpointCorrupt,
+    CheckpointStore,
+    fsync_tree,
+)
+from training.runtime.exchange import NodeExchange
 from training.runtime.launcher import (
     CHAOS_CHECKPOINT_FAULT,
     ERROR_PREFIX,
@@ -135,6 +142,7 @@ def save_resume_checkpoint(
     counters: dict[str, int],
     fingerprint: str,
     fault_setting: str = "",
+    exchange: NodeExchange | None = None,
 ) -> None:
     """Every rank: write its part of a crash-safe checkpoint; rank 0 commits it.
 
@@ -146,7 +154,8 @@ def save_resume_checkpoint(
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     step = counters["step"]
-    if rank == 0:
+    exchange = exchange or NodeExchange.from_spec(None)
+    if exchange.leads(rank):
         store.prepare(step)
     dist.barrier()  # the staging directory exists (and stale files are gone)
     staging = store.staging_dir(step)
@@ -164,8 +173,9 @@ def save_resume_checkpoint(
         written.append(staging / sparse_file(rank, world_size))
         save_file({n: t.contiguous() for n, t in sparse.state_dict().items()}, str(written[-1]))
     fsync_tree(written)  # rank 0's commit fsyncs the rest; this rank's files may be elsewhere
-    dist.barrier()  # every rank's part is on disk
-    if rank == 0:
+    # Every rank's part is on disk (and, on nodes that share no disk, on every node).
+    exchange.share(staging, staging.name)
+    if exchange.leads(rank):
         store.commit(step, {**counters, "world_size": world_size, "fingerprint": fingerprint})
     dist.barrier()  # committed before anyone goes on (or dies)
 
@@ -189,7 +199,11 @@ class ResumePoint:
 
 
 def find_resume_point(
-    store: CheckpointStore, fingerprint: str, zero_stage: int, convertible: bool = True
+    store: CheckpointStore,
+    fingerprint: str,
+    zero_stage: int,
+    convertible: bool = True,
+    exchange: NodeExchange | None = None,
 ) -> ResumePoint | None:
     """Every rank: the newest valid checkpoint of this run, prepared for this world size.
 
@@ -209,6 +223,7 @@ def find_resume_point(
         CheckpointCorrupt: Checkpoints exist but none is valid (never a silent restart).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    exchange = exchange or NodeExchange.from_spec(None)
     chosen = torch.tensor([-1], dtype=torch.int64)
     if rank == 0:
         latest = store.latest_valid(strict=True)
@@ -218,6 +233,8 @@ def find_resume_point(
     if int(chosen[0]) < 0:
         return None
     path = store.checkpoint_dir(int(chosen[0]))
+    if exchange.active:
+        _check_every_node_has(store, path, exchange.leads(rank))
     meta = json.loads((path / MANIFEST).read_text())["meta"]
     if meta.get("fingerprint") != fingerprint:
         raise ConfigError(
@@ -242,10 +259,27 @@ def find_resume_point(
             f"{meta['world_size']}, or use ZeRO 0-2"
         )
     universal = store.root / "universal" / path.name
-    if rank == 0 and not universal.is_dir():
+    if exchange.leads(rank) and not universal.is_dir():
         _convert_to_universal(path / DENSE_TAG, universal)
     dist.barrier()  # the conversion is published
     return ResumePoint(path, meta, universal, universal=True)
+
+
+def _check_every_node_has(store: CheckpointStore, path: Path, leads: bool) -> None:
+    """Refuse a resume point that some node's own checkpoint directory lacks.
+
+    Nodes that share no disk each hold a copy of every checkpoint (`NodeExchange`); the
+    train stage aligns them before it launches, so a node without rank 0's choice means
+    that alignment failed, and resuming would mix two steps.
+    """
+    missing = torch.tensor([0 if not leads or store.verify(path) is None else 1])
+    dist.all_reduce(missing)
+    if int(missing[0]):
+        raise CheckpointCorrupt(
+            f"{path.name} is rank 0's newest valid checkpoint but {int(missing[0])} other "
+            f"node(s) have no valid copy of it under their {store.root}; delete the train "
+            "stage's checkpoints (locally and in the artifact root) to start over"
+        )
 
 
 def _convert_to_universal(tag_dir: Path, out_dir: Path) -> None:

@@ -9,13 +9,14 @@ What to plan and what the spec holds stays with the family (`training.ctr.train`
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from training.config import TrainConfig
+from training.config import WHERE_FIELDS, TrainConfig
 from training.runtime.files import (
     LAUNCH_FILE,
     LAUNCHER_LOG_FILE,
@@ -29,7 +30,13 @@ from training.runtime.files import (
     WEIGHTS_FILE,
     write_json,
 )
-from training.runtime.launcher import TrainResult, launch_ranks, launcher_command, launcher_env
+from training.runtime.launcher import (
+    NodeLaunch,
+    TrainResult,
+    launch_ranks,
+    launcher_command,
+    launcher_env,
+)
 from training.runtime.memory import MemoryPlan, plan_record
 
 # Train config fields that say how a run reports and saves, not what it trains: a
@@ -41,6 +48,7 @@ NOT_FINGERPRINTED = (
     "keep_checkpoints",
     "prefetch_batches",
     "memory_per_rank_gb",
+    *WHERE_FIELDS,
 )
 
 # Outputs of an earlier run in the same directory that this run writes anew.
@@ -98,8 +106,13 @@ def run_train_stage(
     python: str,
     memory_budget: tuple[int, str] | None,
     checkpoint_root: Path | None,
-) -> TrainResult:
+    node: NodeLaunch | None = None,
+    stop: threading.Event | None = None,
+) -> TrainResult | None:
     """Plan a run, write its files, launch `config.world_size` ranks of `module`, collect them.
+
+    With `node` (launcher 'per_node'), this call starts one node's ranks and only node 0
+    collects the run's result; the other nodes return None.
 
     Args:
         plan_run: The family's planning (launch spec, model config, memory plan).
@@ -115,6 +128,8 @@ def run_train_stage(
         python: The interpreter that runs the launcher.
         memory_budget: Passed to `plan_run`.
         checkpoint_root: Passed to `plan_run`.
+        node: Where the ranks run when they span nodes; None: all on this machine.
+        stop: Set by the caller to stop the ranks early (another node failed).
 
     Returns:
         The run's result, from rank 0's `train_summary.json` ("final_loss", "steps",
@@ -135,13 +150,19 @@ def run_train_stage(
     write_json(out_dir / TRAIN_CONFIG_FILE, config.model_dump(mode="json"))
     write_json(out_dir / MODEL_CONFIG_FILE, plan.model_config)
     spec_path = out_dir / LAUNCH_FILE
-    write_json(spec_path, plan.spec)
-    command = launcher_command(python, config.world_size, master_port, module, spec_path)
+    spec = dict(plan.spec)
+    if node is not None and node.exchange is not None:
+        spec["node_exchange"] = {"url": node.exchange, "ranks_per_node": node.ranks_per_node}
+    write_json(spec_path, spec)
+    command = launcher_command(python, config.world_size, master_port, module, spec_path, node)
+    collects = node is None or node.node_rank in (None, 0)
     # Resumable runs share their checkpoints across attempts: record who writes them.
     # (Sequence models' in-training validation keeps its best weights there too.)
     resumable = config.checkpoint_every or config.eval_every_epochs
     owner = plan.checkpoint_root / RANKS_FILE if resumable else None
-    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner)
+    summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner, collects, stop)
+    if summary is None:
+        return None
     return TrainResult(
         out_dir=out_dir,
         # None: a resumed run had no step left (its validation had already stopped it).

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -45,8 +46,9 @@ from training.runtime.files import (
     TENSORBOARD_DIR,
     TRAIN_LOG_FILE,
     WEIGHTS_FILE,
+    data_identity,
 )
-from training.runtime.launcher import TrainResult, chaos_settings
+from training.runtime.launcher import NodeLaunch, TrainResult, chaos_settings
 from training.runtime.memory import (
     CHUNK_BYTES,
     FP32_BYTES,
@@ -276,7 +278,9 @@ def train_sequence_model(
     python: str = sys.executable,
     memory_budget: tuple[int, str] | None = None,
     checkpoint_root: Path | None = None,
-) -> TrainResult:
+    node: NodeLaunch | None = None,
+    stop: threading.Event | None = None,
+) -> TrainResult | None:
     """Train a sequence model with `config.world_size` DeepSpeed pipeline ranks.
 
     Args:
@@ -295,8 +299,13 @@ def train_sequence_model(
             same root and config resumes from the newest valid one (on the same world
             size). Default `out_dir / "resume"`.
 
+        node: Where the ranks run on more than one node (`training.runtime.launcher.
+            NodeLaunch`); None: every rank on this machine.
+        stop: Set by the caller to stop the ranks (another node of the run failed).
+
     Returns:
-        The run's result (step_ms has one phase, "step"; `resumed_from_step`).
+        None for a node other than node 0 (node 0's ranks write the outputs); else
+        the run's result (step_ms has one phase, "step"; `resumed_from_step`).
 
     Raises:
         InputNotFoundError: The sequences are missing.
@@ -320,6 +329,8 @@ def train_sequence_model(
         python,
         memory_budget,
         checkpoint_root,
+        node,
+        stop,
     )
 
 
@@ -455,6 +466,10 @@ def sequence_fingerprint(spec: PipelineSpec) -> str:
     saving fields (`NOT_FINGERPRINTED`).
     """
     payload = spec.model_dump(mode="json", exclude=set(_SPEC_NOT_FINGERPRINTED))
+    # The data by content where it is a published output: another cache or node resumes.
+    for field in ("sequences", "item_features_file"):
+        if payload[field] is not None:
+            payload[field] = data_identity(Path(payload[field]))
     payload["train_config"] = {
         k: v for k, v in payload["train_config"].items() if k not in NOT_FINGERPRINTED
     }

@@ -26,11 +26,12 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
+import tasks.train
 import training.ctr.worker
 import training.sequence.pipeline_worker
 from data_prep.errors import ConfigError, InputNotFoundError
 from tests.training.conftest import write_shards
-from training.config import TrainConfig
+from training.config import WHERE_FIELDS, TrainConfig
 from training.ctr.train import plan_ctr_run
 from training.runtime.stage import LaunchPlan
 from training.sequence.train import plan_sequence_run
@@ -90,7 +91,19 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "select_metric": ({"eval_every_epochs": 1}, {"select_metric": "hr@5_sampled"}),
     "valid_num_negatives": ({"eval_every_epochs": 1}, {"valid_num_negatives": 20}),
     "valid_negatives_seed": ({"eval_every_epochs": 1}, {"valid_negatives_seed": 1}),
+    # Where the ranks run: read by the train stage, which builds the launcher command.
+    "nodes": ({"launcher": "ssh", "hostfile": "hosts", "master_addr": "10.0.0.1"}, {"nodes": 2}),
+    "ranks_per_node": ({}, {"ranks_per_node": 2}),
+    "launcher": ({}, {"launcher": "per_node"}),
+    "hostfile": ({"launcher": "per_node"}, {"hostfile": "hosts"}),
+    "master_addr": ({}, {"master_addr": "10.0.0.1"}),
+    "master_port": ({}, {"master_port": 29600}),
+    "ssh_port": ({"launcher": "ssh", "hostfile": "hosts"}, {"ssh_port": 2222}),
 }
+
+# Fields that say where the ranks run: the train task reads them (`tasks.train`) to
+# build DeepSpeed's launcher command; the ranks' plan must not change with them.
+LAUNCH_FIELDS = set(WHERE_FIELDS)
 
 # Where the sequence models' base (the defaults) needs another change than DLRM's.
 SEQUENCE_CHANGES = {"interaction": {"interaction": "cross"}}
@@ -190,6 +203,17 @@ def test_a_field_reaches_the_ranks_or_is_refused(
     plan = plan_of(family, data, tmp_path)
     config = TrainConfig(**{**base_values, **changed})
     assert getattr(config, field) != getattr(base, field)
+    if field in LAUNCH_FIELDS:
+        assert what_ranks_see(plan(config)) == what_ranks_see(plan(base))
+        assert plan(config).spec.get("config_fingerprint") == plan(base).spec.get(
+            "config_fingerprint"
+        ), f"train.{field} is where the ranks run: a resume must not depend on it"
+        assert config.fingerprinted() == base.fingerprinted()
+        read = "node_ranks()" if field == "ranks_per_node" else field
+        assert f"config.{read}" in inspect.getsource(tasks.train), (
+            f"train.{field} is read by nobody"
+        )
+        return
     if field == "memory_per_rank_gb":
         with pytest.raises(ConfigError, match="train.memory_per_rank_gb"):
             plan(config)
