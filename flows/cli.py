@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config field, e.g. --set train.lr=0.01",
     )
     run.add_argument(
+        "--hostfile",
+        default=None,
+        metavar="PATH",
+        help="DeepSpeed hostfile (`host slots=N` lines) for train.launcher ssh or per_node: "
+        "where the ranks run, like --root (the same as --set train.hostfile=PATH)",
+    )
+    run.add_argument(
         "--workers",
         type=int,
         default=None,
@@ -163,6 +170,9 @@ def _run(args: argparse.Namespace) -> int:
     from flows.config import load_config
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if args.hostfile is not None:
+        # A flag, as DESIGN.md has where things run; the train section carries it to the task.
+        args.overrides = [*args.overrides, f"train.hostfile={Path(args.hostfile).resolve()}"]
 
     # Validate before Prefect starts: a bad config fails in a second, with no retries.
     load_config(args.config, args.overrides)

@@ -137,3 +137,12 @@ def test_cli_stage_names_match_the_pipeline():
     from tasks.common import STAGES
 
     assert STAGE_NAMES == STAGES
+
+
+def test_the_hostfile_flag_sets_the_train_hostfile(tmp_path, capsys):
+    hostfile = tmp_path / "hosts"
+    # With the default launcher (local) a hostfile is refused at parse time, naming it.
+    assert main(["run", "configs/tiny.yaml", "--hostfile", str(hostfile)]) == 2
+    assert f"train.hostfile='{hostfile}' applies to launcher 'ssh' or 'per_node'" in (
+        capsys.readouterr().err
+    )
