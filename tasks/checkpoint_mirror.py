@@ -59,6 +59,9 @@ class CheckpointMirror:
                 (launcher 'per_node': every node's copy must resume from the same step,
                 and only what reached the store is known to every node).
 
+        The checkpoints the resume point's meta pins (a sequence model's best validation
+        step) are downloaded too when they are not local.
+
         Returns:
             The step downloaded, or None (nothing remote, or nothing newer).
         """
@@ -75,30 +78,52 @@ class CheckpointMirror:
         local = max(self._local_steps(), default=-1)
         for step in remote:
             if step <= local:
+                self._pull_pinned(local)
                 return None
-            name = checkpoint_name(step)
-            scratch = self.local_root / ".staging" / "pull" / name
-            shutil.rmtree(scratch, ignore_errors=True)
-            scratch.mkdir(parents=True)
-            text = read_text(join_url(self._remote(step), MANIFEST)) or ""
-            try:
-                files = list(json.loads(text)["files"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                files = []  # verify names what is wrong with the manifest
-            download_files(self._remote(step), files, scratch)
-            (scratch / MANIFEST).write_text(text)
-            problem = CheckpointStore(self.local_root).verify(scratch)
-            if problem is not None:
-                self._log(f"checkpoint {self._remote(step)} does not verify ({problem}); skipped")
-                shutil.rmtree(scratch)
+            if not self._download(step):
                 continue
-            # A local directory of this step without a manifest is an unfinished save.
-            shutil.rmtree(self.local_root / name, ignore_errors=True)
-            os.replace(scratch, self.local_root / name)
-            self._uploaded.add(step)
             self._log(f"resume checkpoint of step {step} downloaded from {self._remote(step)}")
+            self._pull_pinned(step)
             return step
         return None
+
+    def _download(self, step: int) -> bool:
+        """Download remote checkpoint `step` next to the local ones, verify it, rename it
+        into place; False (logged) when it does not verify."""
+        name = checkpoint_name(step)
+        scratch = self.local_root / ".staging" / "pull" / name
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        text = read_text(join_url(self._remote(step), MANIFEST)) or ""
+        try:
+            files = list(json.loads(text)["files"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            files = []  # verify names what is wrong with the manifest
+        download_files(self._remote(step), files, scratch)
+        (scratch / MANIFEST).write_text(text)
+        problem = CheckpointStore(self.local_root).verify(scratch)
+        if problem is not None:
+            self._log(f"checkpoint {self._remote(step)} does not verify ({problem}); skipped")
+            shutil.rmtree(scratch)
+            return False
+        # A local directory of this step without a manifest is an unfinished save.
+        shutil.rmtree(self.local_root / name, ignore_errors=True)
+        os.replace(scratch, self.local_root / name)
+        self._uploaded.add(step)
+        return True
+
+    def _pull_pinned(self, step: int) -> None:
+        """Download the checkpoints local checkpoint `step` pins (its best validation
+        step), which the resumed run needs besides it; missing ones are logged."""
+        manifest = self.local_root / checkpoint_name(step) / MANIFEST
+        if not manifest.is_file():
+            return
+        pinned = json.loads(manifest.read_text()).get("meta", {}).get("pinned", [])
+        for pin in sorted(set(pinned) - set(self._local_steps())):
+            if self._download(pin):
+                self._log(f"pinned checkpoint of step {pin} downloaded from {self._remote(pin)}")
+            else:
+                self._log(f"pinned checkpoint of step {pin} is not in {self.url}")
 
     def push(self) -> None:
         """Upload every committed local checkpoint not uploaded yet, then prune the remote.
@@ -179,15 +204,28 @@ class CheckpointMirror:
         return steps
 
     def _prune(self) -> None:
-        """Remove remote checkpoints older than the `keep` newest committed ones."""
+        """Remove remote checkpoints older than the `keep` newest committed ones.
+
+        The steps the newest one's meta names as "pinned" (a sequence model's best
+        validation step, whose weights become the model) are kept too.
+        """
         committed = sorted(self._remote_steps(committed=True), reverse=True)
         if len(committed) < self.keep:
             return
         cutoff = committed[self.keep - 1]
+        pinned = self._pinned(committed[0])
         fs, _ = filesystem(self.url)
         for step in self._remote_steps(committed=False):
-            if step < cutoff:
+            if step < cutoff and step not in pinned:
                 _, remote_path = filesystem(self._remote(step))
                 if fs.exists(f"{remote_path}/{MANIFEST}"):
                     fs.rm(f"{remote_path}/{MANIFEST}")  # first: it stops being a resume point
                 remove_tree(self._remote(step))
+
+    def _pinned(self, step: int) -> set[int]:
+        """The steps checkpoint `step`'s meta pins against retention."""
+        text = read_text(join_url(self._remote(step), MANIFEST)) or "{}"
+        try:
+            return {int(s) for s in json.loads(text).get("meta", {}).get("pinned", [])}
+        except (ValueError, TypeError, AttributeError):
+            return set()

@@ -269,6 +269,31 @@ def test_checkpoints_mirror_to_s3_and_the_newest_that_verifies_comes_back(
     assert objects(url) == []
 
 
+def test_the_pinned_best_checkpoint_survives_remote_retention_and_comes_back_with_the_newest(
+    s3_root: str, tmp_path: Path
+) -> None:
+    url = f"{s3_root}/checkpoints/train/{FP}"
+    lines: list[str] = []
+    local = CheckpointStore(tmp_path / "one", keep=1)
+    mirror = CheckpointMirror(local.root, url, keep=1, log=lines.append)
+    for step in (10, 20, 30):
+        # Step 10 was the best validation: the later checkpoints pin it, as the ranks do.
+        local.pin([10])
+        staging = local.prepare(step)
+        (staging / "weights.bin").write_bytes(bytes([step]) * 10)
+        local.commit(step, meta={"step": step, "pinned": [10] if step > 10 else []})
+        mirror.push()
+    assert sorted({name.split("/")[0] for name in objects(url)}) == [
+        "step-00000010",
+        "step-00000030",
+    ]
+    # Another machine resumes from 30 and gets the best weights (10) with it.
+    fresh = CheckpointMirror(tmp_path / "two", url, keep=1, log=lines.append)
+    assert fresh.pull() == 30
+    best = CheckpointStore(tmp_path / "two").verify(tmp_path / "two" / "step-00000010")
+    assert best is None and any("pinned checkpoint of step 10 downloaded" in x for x in lines)
+
+
 # Killed at its first checkpoint in S3; the ranks it orphans are stopped by the test.
 RESUMABLE = ["train.max_steps=40", "train.checkpoint_every=10", "train.log_every=10"]
 

@@ -143,14 +143,16 @@ def save_resume_checkpoint(
     fingerprint: str,
     fault_setting: str = "",
     exchange: NodeExchange | None = None,
+    extra_meta: dict[str, Any] | None = None,
 ) -> None:
     """Every rank: write its part of a crash-safe checkpoint; rank 0 commits it.
 
     Layout: DeepSpeed's checkpoint under tag `dense` (a pipeline engine's: its layer
     files), one embedding shard (with `sparse`) and one `rank-RRRRR.pt` (RNG states, and
     the reader position with `reader`) per rank, and the store's manifest
-    (sha256 of every file) whose meta holds the step counters and the config
-    fingerprint. Nothing is visible to a resume until rank 0's commit renames it.
+    (sha256 of every file) whose meta holds the step counters, the config fingerprint
+    and `extra_meta` (e.g. the valid curve so far, and the steps a mirror must keep:
+    "pinned"). Nothing is visible to a resume until rank 0's commit renames it.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     step = counters["step"]
@@ -176,7 +178,8 @@ def save_resume_checkpoint(
     # Every rank's part is on disk (and, on nodes that share no disk, on every node).
     exchange.share(staging, staging.name)
     if exchange.leads(rank):
-        store.commit(step, {**counters, "world_size": world_size, "fingerprint": fingerprint})
+        meta = {**(extra_meta or {}), **counters, "world_size": world_size}
+        store.commit(step, {**meta, "fingerprint": fingerprint})
     dist.barrier()  # committed before anyone goes on (or dies)
 
 

@@ -80,7 +80,7 @@ from torch import nn
 
 from data_prep.errors import ConfigError, Preempted
 from training.config import TrainConfig
-from training.runtime.checkpoint import CheckpointStore
+from training.runtime.checkpoint import MANIFEST, CheckpointStore
 from training.runtime.consolidate import create_file, finish_file, plan_layout, write_dense
 from training.runtime.launcher import RESUME_PREFIX
 from training.runtime.memory import CHUNK_BYTES, FP32_BYTES
@@ -424,7 +424,7 @@ def _start_validation(spec: PipelineSpec, resume: _Resume, rank: int) -> _Valida
     if spec.valid is None or resume.store is None:
         return None
     config = spec.train_config
-    validation = _Validation(spec.valid, read_curve(resume.store.root, resume.start))
+    validation = _Validation(spec.valid, _resumed_curve(resume))
     evaluated = {point["step"] for point in validation.curve}
     if resume.start and _is_validation_step(spec, resume.start) and resume.start not in evaluated:
         _validate(spec, resume.store, validation, resume.start, rank, None)
@@ -433,6 +433,22 @@ def _start_validation(spec: PipelineSpec, resume: _Resume, rank: int) -> _Valida
         resume.store.pin([selection.best_step])
         validation.stop_reason = selection.reason
     return validation
+
+
+def _resumed_curve(resume: _Resume) -> list[dict[str, float]]:
+    """The valid curve a resumed run continues: the one in its checkpoint's meta.
+
+    The meta holds the evaluations before the checkpoint's step (a validation step's
+    own evaluation comes after its checkpoint, and is done again on resume). A
+    checkpoint written before the meta held the curve falls back to `validation.json`.
+    """
+    if resume.store is None or not resume.start:
+        return []
+    manifest = resume.store.checkpoint_dir(resume.start) / MANIFEST
+    meta = json.loads(manifest.read_text())["meta"]
+    if "curve" in meta:
+        return [point for point in meta["curve"] if point["step"] <= resume.start]
+    return read_curve(resume.store.root, resume.start)
 
 
 def _selection(validation: _Validation, config: TrainConfig) -> Selection:
@@ -480,7 +496,7 @@ def _train_steps(
                 break  # a resumed run whose curve had already stopped it
             # The last stage computes the loss; the engine broadcasts it to every stage.
             losses.append(float(engine.train_batch(data_iter=data)))
-            _checkpoint_step(spec, engine, resume, step)
+            _checkpoint_step(spec, engine, resume, step, validation)
             if validation is not None and resume.store is not None:
                 if _is_validation_step(spec, step):
                     _validate(spec, resume.store, validation, step, rank, writer)
@@ -580,11 +596,20 @@ def _checkpoint_model(spec: PipelineSpec, tag_dir: Path) -> nn.Module:
     return model.eval()
 
 
-def _checkpoint_step(spec: PipelineSpec, engine: Any, resume: _Resume, step: int) -> None:
+def _checkpoint_step(
+    spec: PipelineSpec,
+    engine: Any,
+    resume: _Resume,
+    step: int,
+    validation: _Validation | None,
+) -> None:
     """Every rank, after a step: save a resume checkpoint when one is due or SIGTERM came.
 
     One is due every train.checkpoint_every steps and at every validation step (the
     validation ranks its weights, and the best of them is kept), the last included.
+    Its meta carries the valid curve so far (the steps before it) and, as "pinned", the
+    best step's checkpoint: wherever the checkpoint travels (a mirror in object storage,
+    another machine), a resume gets the curve and the best weights with it.
 
     Raises:
         Preempted: SIGTERM arrived (after the checkpoint is committed).
@@ -597,6 +622,11 @@ def _checkpoint_step(spec: PipelineSpec, engine: Any, resume: _Resume, step: int
     every = spec.train_config.checkpoint_every
     if (every and step % every == 0) or stop or validating:
         counters = {"step": step, "micro_done": step * spec.train_config.grad_accum_steps}
+        extra: dict[str, Any] = {}
+        if validation is not None:
+            extra["curve"] = list(validation.curve)
+            if validation.curve:
+                extra["pinned"] = [_selection(validation, spec.train_config).best_step]
         save_resume_checkpoint(
             resume.store,
             engine,
@@ -605,6 +635,7 @@ def _checkpoint_step(spec: PipelineSpec, engine: Any, resume: _Resume, step: int
             counters,
             spec.config_fingerprint,
             spec.chaos.get("checkpoint_fault", ""),
+            extra_meta=extra,
         )
     if stop:
         raise Preempted(
