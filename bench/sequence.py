@@ -237,7 +237,7 @@ class PlainSASRec(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.drop = nn.Dropout(p)
 
-    def forward(self, history: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    def forward(self, history: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
         b, length = history.shape
         valid = (history != 0).unsqueeze(-1)  # (B, L, 1)
         causal = torch.ones(length, length, dtype=torch.bool).tril()
@@ -247,6 +247,8 @@ class PlainSASRec(nn.Module):
         for block in self.blocks:
             x = block(x, mask.unsqueeze(1), valid)
         hidden = self.norm(x)  # (B, L, D)
+        if candidates is None:  # loss 'softmax': the caller scores every item
+            return hidden
         vectors = self.items(candidates)  # (B, L, 1 + N, D)
         return (vectors * hidden.unsqueeze(-2)).sum(-1)  # (B, L, 1 + N)
 
@@ -313,7 +315,13 @@ def plain_torch_run(
             history, positives, candidates = plain_batch(
                 next_rows(), MAX_LENGTH, num_items, seq.num_negatives
             )
-            loss = plain_loss(model(history, candidates), positives, seq.loss)
+            if seq.loss == "softmax":  # every item scored where there is a positive
+                scored = positives != 0
+                logits = model(history, None)[scored] @ model.items.weight.T  # (M, V)
+                logits = logits.index_fill(-1, torch.tensor([0]), float("-inf"))
+                loss = F.cross_entropy(logits, positives[scored])
+            else:
+                loss = plain_loss(model(history, candidates), positives, seq.loss)
             (loss / config.grad_accum_steps).backward()
         if config.grad_clip:
             nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)

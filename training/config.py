@@ -49,15 +49,28 @@ class SequenceModelConfig(BaseModel):
     num_blocks: int = Field(2, ge=1, description="Transformer blocks.")
     num_heads: int = Field(1, ge=1, description="Attention heads; must divide hidden_dim.")
     dropout: float = Field(0.2, ge=0.0, lt=1.0, description="Dropout probability.")
-    loss: Literal["bce", "sampled_softmax"] = Field(
+    loss: Literal["bce", "sampled_softmax", "softmax"] = Field(
         "bce",
         description="'bce': SASRec's binary cross-entropy with num_negatives sampled "
         "negatives per position (the paper uses 1); 'sampled_softmax': softmax of the "
-        "positive against num_negatives sampled negatives.",
+        "positive against num_negatives sampled negatives; 'softmax' (SASRec): "
+        "cross-entropy over the whole catalogue, every item a negative (no sampling).",
     )
     num_negatives: int = Field(
-        1, ge=1, description="Uniformly sampled negative items per position."
+        1,
+        ge=1,
+        description="Uniformly sampled negative items per position ('bce', 'sampled_softmax').",
     )
+
+    @model_validator(mode="after")
+    def _check_negatives(self) -> SequenceModelConfig:
+        if self.loss == "softmax" and self.num_negatives != 1:
+            raise ValueError(
+                f"train.sequence.num_negatives={self.num_negatives}: loss 'softmax' scores "
+                "every item and samples none; remove it (or use loss: sampled_softmax)"
+            )
+        return self
+
     mlp: list[int] = Field(
         default_factory=lambda: [64, 32],
         description="BST only: hidden sizes of the MLP over the target's hidden state.",

@@ -272,11 +272,11 @@ def micro_batches(
         source = synthetic_sequences(num_items, max_length, rng)
     else:
         source = parquet_sequences(spec.sequences, replica, replicas, rng, entry.min_items)
+    # loss 'softmax' samples no negatives: every item is one.
+    negatives = 0 if config.sequence.loss == "softmax" else config.sequence.num_negatives
     while True:
         rows = [next(source) for _ in range(config.batch_size)]
-        yield entry.micro_batch(
-            rows, max_length, num_items, config.sequence.num_negatives, negatives_rng
-        )
+        yield entry.micro_batch(rows, max_length, num_items, negatives, negatives_rng)
 
 
 def seed_layer(seed: int) -> None:

@@ -527,7 +527,24 @@ def sampled_softmax_loss(logits: torch.Tensor, positives: torch.Tensor) -> torch
     return (per_position * valid).sum() / valid.sum().clamp(min=1)
 
 
-LOSSES = {"bce": bce_loss, "sampled_softmax": sampled_softmax_loss}
+def softmax_loss(logits: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each scored position's positive over the whole catalogue.
+
+    Args:
+        logits: (M, V) scores of every item at the M positions with a positive, in row
+            order (`score_candidates_pipe` without negatives); the padding item's are -inf.
+        positives: (B, L) int64, 0 at positions excluded from the loss.
+
+    Returns:
+        Scalar fp32 loss (0 if no position is valid).
+    """
+    targets = positives[positives != PADDING_ITEM]  # (M,), row order as the logits
+    if targets.numel() == 0:
+        return logits.float().sum() * 0.0
+    return F.cross_entropy(logits.float(), targets)
+
+
+LOSSES = {"bce": bce_loss, "sampled_softmax": sampled_softmax_loss, "softmax": softmax_loss}
 
 
 # --- pipeline form -------------------------------------------------------------------
@@ -571,6 +588,9 @@ def score_candidates_pipe(
 ) -> torch.Tensor:
     """Last pipeline layer: (hidden, history, positives, negatives) -> logits (B, L, 1 + N).
 
+    With no negatives (N = 0, loss 'softmax'): (M, V), every item scored at the M
+    positions with a positive, in row order, the padding item's scores -inf.
+
     Only the M positions with a positive are scored (about half of a left-padded
     MovieLens batch); the others, which every loss ignores, get logits 0. The candidates'
     vectors are gathered for those M positions only: (M, 1 + N, D) instead of
@@ -578,6 +598,11 @@ def score_candidates_pipe(
     """
     hidden, _, positives, negatives = inputs
     scored = (positives != PADDING_ITEM).nonzero(as_tuple=True)  # 2 x (M,)
+    if negatives.shape[-1] == 0:
+        # loss 'softmax': every item is a candidate; (M, V), the padding item excluded.
+        items = torch.arange(table.weight.shape[0], device=hidden.device)
+        logits = hidden[scored] @ table.vectors(items).T  # (M, V)
+        return logits.index_fill(-1, items[:1], float("-inf"))
     candidates = candidates_of(positives[scored], negatives[scored])  # (M, 1 + N)
     vectors = table.vectors(candidates)  # (M, 1 + N, D)
     logits = (vectors * hidden[scored].unsqueeze(-2)).sum(dim=-1)  # (M, 1 + N)

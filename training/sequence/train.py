@@ -217,6 +217,8 @@ def plan_sequence_memory(
         config.batch_size, length, config.sequence.num_negatives
     )
     candidates = 2 * batch * positions * per_position * dim  # gathered vectors, grads
+    if config.sequence.loss == "softmax":
+        candidates = 2 * batch * positions * num_items  # every item's logit, and its grad
     blocks_here = math.ceil(blocks / stages)
     activations = (
         in_flight

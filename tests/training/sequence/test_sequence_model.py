@@ -35,6 +35,7 @@ from training.sequence.sasrec import (
     sample_negatives,
     sampled_softmax_loss,
     score_candidates_pipe,
+    softmax_loss,
 )
 from training.sequence.train import build_pipeline_spec, sequence_model_config
 
@@ -216,6 +217,32 @@ def test_pipeline_layers_compute_sasrec() -> None:
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
     for loss in (bce_loss, sampled_softmax_loss):
         torch.testing.assert_close(loss(logits, positives), loss(expected, positives))
+
+
+def test_the_softmax_loss_ranks_the_positive_against_every_item() -> None:
+    """loss 'softmax': the pipeline scores every item at each positive's position; the
+    loss is the cross-entropy over the catalogue less the padding item, by hand."""
+    layers = build_pipeline_layers(**ARGS)
+    history, positives, _ = tiny_batch()
+    no_negatives = positives.new_zeros(*positives.shape, 0)
+    with torch.no_grad():
+        logits, state = run_layers(layers, (history, positives, no_negatives))
+    scored = positives != 0
+    assert logits.shape == (int(scored.sum()), ARGS["num_items"])
+    assert torch.all(logits[:, 0] == float("-inf"))
+
+    model = SASRec(**ARGS).eval()
+    model.load_state_dict(pipeline_state_to_sasrec(state), strict=True)
+    with torch.no_grad():
+        every = model.score(model(history), None)[scored]  # (M, V)
+    torch.testing.assert_close(logits[:, 1:], every[:, 1:], rtol=0, atol=1e-6)
+    targets = positives[scored]
+    by_hand = torch.stack(
+        [torch.logsumexp(row[1:], 0) - row[t] for row, t in zip(every, targets, strict=True)]
+    ).mean()
+    torch.testing.assert_close(softmax_loss(logits, positives), by_hand, rtol=1e-6, atol=1e-6)
+    empty = torch.zeros(0, ARGS["num_items"])
+    assert softmax_loss(empty, torch.zeros_like(positives)).item() == 0.0
 
 
 def test_mask_dropout_keeps_with_probability_1_minus_p_and_rescales() -> None:
