@@ -298,9 +298,13 @@ def test_the_pinned_best_checkpoint_survives_remote_retention_and_comes_back_wit
 RESUMABLE = ["train.max_steps=40", "train.checkpoint_every=10", "train.log_every=10"]
 
 
-def recforge_run(root: str, raw: Path, env: dict[str, str]) -> subprocess.Popen:
-    """`recforge run configs/tiny.yaml --root <s3 root>` in a session of its own."""
-    overrides = [arg for item in [f"ingest.path={raw}", *RESUMABLE] for arg in ("--set", item)]
+def recforge_run(
+    root: str, raw: Path, env: dict[str, str], extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """`recforge run configs/tiny.yaml --root <root>` in a session of its own (`extra`:
+    more `--set` overrides)."""
+    items = [f"ingest.path={raw}", *RESUMABLE, *extra]
+    overrides = [arg for item in items for arg in ("--set", item)]
     full_env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **env}
     full_env.pop("PREFECT_API_URL", None)  # its own temporary Prefect API
     return subprocess.Popen(

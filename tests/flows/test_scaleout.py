@@ -11,8 +11,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,31 +22,14 @@ from tasks.store import materialize, read_text
 from tests.flows.test_object_store import (  # noqa: F401 - s3_root is a fixture
     committed_in_s3,
     objects,
+    recforge_run,
     s3_environment,
     s3_root,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
-RESUMABLE = ["train.max_steps=40", "train.checkpoint_every=10", "train.log_every=10"]
-TWO_NODES = ["train.nodes=2", "train.ranks_per_node=1", "train.launcher=per_node"]
-
-
-def recforge_run(root: str, raw: Path, env: dict[str, str], extra: list[str]) -> subprocess.Popen:
-    """`recforge run configs/tiny.yaml --root <root>` in a session of its own."""
-    items = [f"ingest.path={raw}", *RESUMABLE, *extra]
-    overrides = [arg for item in items for arg in ("--set", item)]
-    full_env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **env}
-    full_env.pop("PREFECT_API_URL", None)  # its own temporary Prefect API
-    return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", TINY, "--root", root, *overrides],
-        cwd=REPO,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+TWO_NODES = ("train.nodes=2", "train.ranks_per_node=1", "train.launcher=per_node")
 
 
 def command_lines() -> dict[int, list[str]]:
@@ -101,7 +82,7 @@ def test_two_nodes_killed_one_resume_both_from_s3_and_train_the_one_node_model(
 
     # The reference: 1 node x 2 ranks, local root, uninterrupted.
     local_root = tmp_path / "one-node"
-    one = recforge_run(str(local_root), raw, {"RECFORGE_CACHE_DIR": str(tmp_path / "c1")}, [])
+    one = recforge_run(str(local_root), raw, {"RECFORGE_CACHE_DIR": str(tmp_path / "c1")})
     out, err = one.communicate(timeout=600)
     assert one.returncode == 0, (out + err)[-3000:]
     reference = json.loads(Path(out.strip().splitlines()[-1]).read_text())
