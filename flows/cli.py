@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from data_prep.errors import InputNotFoundError, RecforgeError
+from data_prep.errors import ConfigError, InputNotFoundError, RecforgeError
 
 # tasks.common.STAGES, spelled out so argument errors need no Prefect import (a test keeps
 # them equal).
@@ -115,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--apply", action="store_true", help="then run `prefect deploy --all` on it (needs the API)"
     )
 
+    node = commands.add_parser(
+        "node-worker",
+        help="on a training node: serve that node's train runs (train.launcher: per_node, "
+        "node_dispatch: workers), taken from the Prefect server at PREFECT_API_URL",
+    )
+    node.add_argument(
+        "--node-rank", type=int, required=True, help="the node this machine is (0: master_addr)"
+    )
+
     ui = commands.add_parser("ui", help="start a local Prefect server (SQLite) and print its URL")
     ui.add_argument("--port", type=int, default=4200)
 
@@ -150,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             return _deploy(args)
         if args.command == "models":
             return _models(args)
+        if args.command == "node-worker":
+            return _node_worker(args)
         return _ui(args)
     except RecforgeError as err:
         print(f"recforge: error: {err}", file=sys.stderr)
@@ -164,6 +175,22 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     crashed.
     """
     raise SystemExit(128 + signum)
+
+
+def _node_worker(args: argparse.Namespace) -> int:
+    """Serve node `--node-rank`'s train runs until interrupted (`tasks.train_nodes`)."""
+    if not os.environ.get("PREFECT_API_URL"):
+        raise ConfigError(
+            "recforge node-worker: set PREFECT_API_URL to the Prefect server the flow runs "
+            "against (its workers and the flow must share one)"
+        )
+    if args.node_rank < 0:
+        raise ConfigError(f"--node-rank {args.node_rank}: a node rank is 0 or more")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    from tasks.train_nodes import serve_node_worker
+
+    serve_node_worker(args.node_rank)
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:

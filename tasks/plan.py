@@ -25,6 +25,7 @@ from data_prep.ingest import describe_inputs
 from tasks import evaluate, ingest, preprocess
 from tasks.common import STAGES, Mode, Stage, StageOutput, stage_modules, task_options
 from tasks.store import ArtifactStore, code_version, fingerprint, library_versions
+from tasks.train_nodes import check_dispatch
 
 Action = Literal["run", "cached", "skip", "missing"]
 PLAN_FILE = "plan.json"
@@ -281,8 +282,11 @@ def plan_task(config: Any, modes: dict[Stage, Mode], root: str) -> list[StagePla
 
     Raises:
         StoreUnreachable: The artifact store's URL cannot be reached.
+        ConfigError: train.node_dispatch 'workers' without an object-store root or a
+            Prefect server the workers can reach (`tasks.train_nodes.check_dispatch`).
     """
     ArtifactStore(root).check_reachable()
+    check_dispatch(config.train, root)
     plans = plan_run(config, modes, root)
     markdown = plan_markdown(config.name, plans)
     create_markdown_artifact(

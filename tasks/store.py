@@ -116,10 +116,11 @@ def module_closure(entry: str, root: Path) -> list[str]:
     """The library modules a stage's code can run, as paths relative to `root`.
 
     Starts from the library modules `entry` (a stage's task module, e.g. "tasks.train")
-    imports and follows their imports transitively, function-level imports included.
-    A string constant that names a library module counts as an import: that is how a
-    launcher starts its rank modules (`python -m training.ctr.worker`). Only modules of
-    `LIBRARIES` are followed; the task modules themselves are orchestration.
+    and the task modules it imports (e.g. "tasks.train_launch") import, and follows their
+    imports transitively, function-level imports included. A string constant that names
+    a library module counts as an import: that is how a launcher starts its rank modules
+    (`python -m training.ctr.worker`). Only modules of `LIBRARIES` are returned; the
+    task modules themselves are orchestration.
 
     Raises:
         FileNotFoundError: `entry` is not a module under `root`.
@@ -127,10 +128,18 @@ def module_closure(entry: str, root: Path) -> list[str]:
     start = _module_file(entry, root)
     if start is None:
         raise FileNotFoundError(f"stage entry module {entry!r} is not under {root}")
+    orchestration: set[Path] = set()
+    entries = [start]
+    while entries:
+        path = entries.pop()
+        if path not in orchestration:
+            orchestration.add(path)
+            entries.extend(_imported_files(path, root, packages=("tasks",)))
     seen: set[Path] = set()
     pending = [
         f
-        for f in _imported_files(start, root)
+        for path in orchestration
+        for f in _imported_files(path, root)
         if f.is_relative_to(root / "data_prep") or f.is_relative_to(root / "training")
     ]
     while pending:
@@ -151,8 +160,8 @@ def _module_file(name: str, root: Path) -> Path | None:
     return None
 
 
-def _imported_files(path: Path, root: Path) -> list[Path]:
-    """Library module files that `path` imports or names by string, packages included."""
+def _imported_files(path: Path, root: Path, packages: tuple[str, ...] = LIBRARIES) -> list[Path]:
+    """Module files of `packages` that `path` imports or names by string, packages included."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
@@ -167,7 +176,7 @@ def _imported_files(path: Path, root: Path) -> list[Path]:
     files = []
     for name in names:
         parts = name.split(".")
-        if parts[0] not in LIBRARIES:
+        if parts[0] not in packages:
             continue
         # The packages on the way are imported too (their __init__.py runs).
         for depth in range(1, len(parts) + 1):

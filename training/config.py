@@ -27,7 +27,12 @@ WHERE_FIELDS = (
     "master_addr",
     "master_port",
     "ssh_port",
+    "node_dispatch",
+    "node_pickup_timeout_s",
 )
+
+# How long a node's task run waits for its task worker by default (dispatch 'workers').
+NODE_PICKUP_TIMEOUT_S = 600.0
 
 
 class SequenceModelConfig(BaseModel):
@@ -395,6 +400,21 @@ class TrainConfig(BaseModel):
     ssh_port: int | None = Field(
         None, ge=1, le=65535, description="launcher 'ssh': the hosts' ssh port (default 22)."
     )
+    node_dispatch: Literal["local", "workers"] = Field(
+        "local",
+        description="launcher 'per_node': where the node task runs go. 'local': threads of "
+        "the train task on this machine (one machine, tests). 'workers': Prefect task "
+        "workers, one on each node (`recforge node-worker --node-rank I`, same "
+        "PREFECT_API_URL; node 0's on master_addr); needs an object-store root and a "
+        "Prefect server.",
+    )
+    node_pickup_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="node_dispatch 'workers': seconds a node's task run may wait for its "
+        "worker before the train stage fails naming the node "
+        f"(default {NODE_PICKUP_TIMEOUT_S:.0f}).",
+    )
     seed: int = Field(0, description="Seed of python, numpy and torch on every rank.")
     log_every: int = Field(20, ge=1, description="Report progress every this many steps.")
 
@@ -492,11 +512,15 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"train.ssh_port={self.ssh_port} applies to launcher 'ssh' only; remove it"
             )
-        if self.model in SEQUENCE_MODELS and self.launcher == "per_node" and self.nodes > 1:
+        if self.node_dispatch != "local" and self.launcher != "per_node":
             raise ValueError(
-                f"train.launcher=per_node with train.nodes={self.nodes} trains the CTR models "
-                f"only so far; train.model={self.model} runs on several nodes with launcher "
-                "'ssh' (a shared filesystem), or on one node"
+                f"train.node_dispatch={self.node_dispatch} applies to launcher 'per_node' only; "
+                "remove it or set train.launcher: per_node"
+            )
+        if self.node_pickup_timeout_s is not None and self.node_dispatch != "workers":
+            raise ValueError(
+                f"train.node_pickup_timeout_s={self.node_pickup_timeout_s} applies to "
+                "node_dispatch 'workers' only; remove it or set train.node_dispatch: workers"
             )
         stages = self.pipeline_stages
         if self.nodes > 1 and stages > 1 and self.nodes % stages and stages % self.nodes:
@@ -512,6 +536,10 @@ class TrainConfig(BaseModel):
     def fingerprinted(self) -> dict:
         """What the train stage's cache key covers: every field but `WHERE_FIELDS`."""
         return self.model_dump(exclude=set(WHERE_FIELDS))
+
+    def pickup_timeout_s(self) -> float:
+        """node_dispatch 'workers': seconds a node run may wait for its task worker."""
+        return self.node_pickup_timeout_s or NODE_PICKUP_TIMEOUT_S
 
     def node_ranks(self) -> int:
         """Ranks on each node: `ranks_per_node`, or world_size / nodes."""

@@ -299,16 +299,22 @@ RESUMABLE = ["train.max_steps=40", "train.checkpoint_every=10", "train.log_every
 
 
 def recforge_run(
-    root: str, raw: Path, env: dict[str, str], extra: tuple[str, ...] = ()
+    root: str,
+    raw: Path,
+    env: dict[str, str],
+    extra: tuple[str, ...] = (),
+    flags: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """`recforge run configs/tiny.yaml --root <root>` in a session of its own (`extra`:
-    more `--set` overrides)."""
+    more `--set` overrides; `flags`: more arguments, e.g. `--force train`). It starts its
+    own temporary Prefect API unless `env` names one (PREFECT_API_URL)."""
     items = [f"ingest.path={raw}", *RESUMABLE, *extra]
     overrides = [arg for item in items for arg in ("--set", item)]
     full_env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **env}
-    full_env.pop("PREFECT_API_URL", None)  # its own temporary Prefect API
+    if "PREFECT_API_URL" not in env:
+        full_env.pop("PREFECT_API_URL", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", TINY, "--root", root, *overrides],
+        [sys.executable, "-m", "flows.cli", "run", TINY, "--root", root, *overrides, *flags],
         cwd=REPO,
         env=full_env,
         stdout=subprocess.PIPE,

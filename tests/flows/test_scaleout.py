@@ -3,22 +3,27 @@
 `train.launcher: per_node` runs one Prefect task run per node, each launching its
 node's ranks with `deepspeed --no_ssh --node_rank=i` (master 127.0.0.1) in a working
 directory of its own; checkpoints and outputs go to a moto S3 root. The model must be
-bitwise the one 1 node x 2 ranks trains, also when one node is killed mid-run and the
-retry resumes both from the checkpoint in S3.
+bitwise the one 1 node x 2 ranks trains: when the node runs are threads of the train
+task (also when one node is killed mid-run and the retry resumes both from the
+checkpoint in S3), and when each goes to its node's Prefect task worker, a process of
+its own with its own current and cache directories.
 """
 
 import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_API_URL
 
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
-from tasks.store import materialize, read_text
+from tasks.store import CACHE_DIR_ENV, materialize, read_text
 from tests.flows.test_object_store import (  # noqa: F401 - s3_root is a fixture
     committed_in_s3,
     objects,
@@ -69,6 +74,18 @@ def weights_sha256(record: dict) -> str:
     return hashlib.sha256((local / "model.safetensors").read_bytes()).hexdigest()
 
 
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """(raw logs, run record) of the reference: 1 node x 2 ranks, local root, uninterrupted."""
+    tmp_path = tmp_path_factory.mktemp("one-node")
+    raw = tmp_path / "raw"
+    generate_logs(load_config(TINY, [f"generate.out={raw}"]).generate)
+    one = recforge_run(str(tmp_path / "root"), raw, {"RECFORGE_CACHE_DIR": str(tmp_path / "c")})
+    out, err = one.communicate(timeout=600)
+    assert one.returncode == 0, (out + err)[-3000:]
+    return raw, json.loads(Path(out.strip().splitlines()[-1]).read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.chaos
 @pytest.mark.scaleout
@@ -76,16 +93,9 @@ def test_two_nodes_killed_one_resume_both_from_s3_and_train_the_one_node_model(
     s3_root: str,  # noqa: F811 - the fixture imported above
     moto_endpoint: str,
     tmp_path: Path,
+    one_node: tuple[Path, dict],
 ) -> None:
-    raw = tmp_path / "raw"
-    generate_logs(load_config(TINY, [f"generate.out={raw}"]).generate)
-
-    # The reference: 1 node x 2 ranks, local root, uninterrupted.
-    local_root = tmp_path / "one-node"
-    one = recforge_run(str(local_root), raw, {"RECFORGE_CACHE_DIR": str(tmp_path / "c1")})
-    out, err = one.communicate(timeout=600)
-    assert one.returncode == 0, (out + err)[-3000:]
-    reference = json.loads(Path(out.strip().splitlines()[-1]).read_text())
+    raw, reference = one_node
 
     # 2 nodes x 1 rank on S3; node 1 is SIGKILLed once a checkpoint is committed in S3.
     cache = tmp_path / "flow-machine"
@@ -123,3 +133,76 @@ def test_two_nodes_killed_one_resume_both_from_s3_and_train_the_one_node_model(
     # Spent: the checkpoints, the exchange scratch and the nodes' working directories.
     assert objects(f"{s3_root}/checkpoints/train") == []
     assert not list(cache.rglob("nodes/train/*/node-*"))
+
+
+def start_node_worker(index: int, home: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`recforge node-worker --node-rank index` in `home` (its current directory and cache)."""
+    home.mkdir(parents=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "node-worker", "--node-rank", str(index)],
+        cwd=home,
+        env={
+            **os.environ,
+            **env,
+            CACHE_DIR_ENV: str(home / "cache"),
+            "PYTHONPATH": str(REPO),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        },
+        stdout=(home / "worker.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.scaleout
+def test_node_runs_go_to_each_nodes_task_worker_and_train_the_one_node_model(
+    prefect_server: None,
+    s3_root: str,  # noqa: F811 - the fixture imported above
+    moto_endpoint: str,
+    tmp_path: Path,
+    one_node: tuple[Path, dict],
+) -> None:
+    raw, reference = one_node
+    api = {"PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    env = {**s3_environment(moto_endpoint, tmp_path / "flow-machine"), **api}
+    workers = [start_node_worker(index, tmp_path / f"node-{index}", {**env}) for index in range(2)]
+    try:
+        run = recforge_run(s3_root, raw, env, (*TWO_NODES, "train.node_dispatch=workers"))
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, (out + err)[-3000:]
+    finally:
+        for worker in workers:
+            os.killpg(worker.pid, signal.SIGTERM)
+        for worker in workers:
+            worker.wait(timeout=60)
+    record = json.loads(read_text(out.strip().splitlines()[-1]))
+    train = record["stages"]["train"]
+    assert train["status"] == "ran"
+    assert weights_sha256(record) == weights_sha256(reference)
+    assert train["fingerprint"] == reference["stages"]["train"]["fingerprint"]
+    assert record["metrics"] == reference["metrics"]
+    # Node i's ranks ran under worker i's own cache, launched by that worker alone.
+    for index in range(2):
+        log = (tmp_path / f"node-{index}" / "worker.log").read_text()
+        cache = tmp_path / f"node-{index}" / "cache"
+        work = f"{cache}/s3/{s3_root.removeprefix('s3://')}/nodes/train/{train['fingerprint']}"
+        assert f"train-node-{index}" in log and f"train-node-{1 - index}" not in log, log[-3000:]
+        assert f"{work}/node-{index}/out/launch.json" in log, log[-3000:]
+    assert "spawned with command" not in err  # no DeepSpeed launch on the flow's machine
+    assert objects(f"{s3_root}/checkpoints/train") == []
+
+    # No worker for the nodes: the stage fails once, naming each node, and waits no more.
+    started = time.monotonic()
+    again = recforge_run(
+        s3_root,
+        raw,
+        env,
+        (*TWO_NODES, "train.node_dispatch=workers", "train.node_pickup_timeout_s=5"),
+        ("--force", "train"),
+    )
+    out, err = again.communicate(timeout=300)
+    assert again.returncode != 0
+    assert "node 0: no task worker took its run (train-node-0) within 5 s" in err, err[-3000:]
+    assert "recforge node-worker --node-rank 0" in err
+    assert "AwaitingRetry" not in err and time.monotonic() - started < 200, err[-3000:]

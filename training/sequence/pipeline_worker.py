@@ -82,6 +82,7 @@ from data_prep.errors import ConfigError, Preempted
 from training.config import TrainConfig
 from training.runtime.checkpoint import MANIFEST, CheckpointStore
 from training.runtime.consolidate import create_file, finish_file, plan_layout, write_dense
+from training.runtime.exchange import NodeExchange
 from training.runtime.launcher import RESUME_PREFIX
 from training.runtime.memory import CHUNK_BYTES, FP32_BYTES
 from training.runtime.rank import (
@@ -170,6 +171,12 @@ class PipelineSpec(BaseModel):
     )
     chaos: dict[str, Any] = Field(
         default={}, description="Fault injection of the chaos tests (training.runtime.launcher)."
+    )
+    node_exchange: dict[str, Any] | None = Field(
+        default=None,
+        description="launcher 'per_node': {url, ranks_per_node} of the scratch prefix through "
+        "which nodes that share no disk trade checkpoint files (training.runtime.exchange); "
+        "None: the ranks share the checkpoint directories.",
     )
 
     @model_validator(mode="after")
@@ -296,12 +303,13 @@ def layer_base_seed(seed: int) -> int:
 @dataclass
 class _Resume:
     """A run's resume state: the store and SIGTERM agreement (None without
-    train.checkpoint_every or validation) and the step it continues from (0: a fresh
-    start)."""
+    train.checkpoint_every or validation), the step it continues from (0: a fresh
+    start) and the node exchange that keeps every node's copy of the store whole."""
 
     store: CheckpointStore | None
     preemption: Preemption | None
     start: int
+    exchange: NodeExchange
 
 
 @dataclass
@@ -324,6 +332,7 @@ def run(spec: PipelineSpec) -> None:
         Preempted: SIGTERM arrived; the resume checkpoint of that step is committed.
     """
     rank, world_size = _start_rank(spec)
+    exchange = NodeExchange.from_spec(spec.node_exchange)
     module = build_pipeline_module(spec)
     engine, _, _, _ = deepspeed.initialize(
         model=module,
@@ -335,13 +344,16 @@ def run(spec: PipelineSpec) -> None:
         engine.grid.get_data_parallel_world_size(),
     )
     data = micro_batches(spec, replica, replicas)
-    resume = _start_resume(spec, engine, module, data)
+    resume = _start_resume(spec, engine, module, data, exchange)
     validation = _start_validation(spec, resume, rank)
     losses, seconds = _train_steps(
         spec, engine, data, resume, validation, rank, world_size, replicas
     )
     _save_pipeline_checkpoint(spec, engine)
-    dist.barrier()  # every stage's layer files are on disk
+    if spec.checkpoint_dir is not None:
+        # Every stage's layer files are on disk, and on node 0's too (rank 0 reads them).
+        exchange.share(spec.checkpoint_dir / CHECKPOINT_TAG, CHECKPOINT_TAG)
+    dist.barrier()
     if rank == 0:
         _write_outputs(spec, module, losses, seconds, resume, validation, world_size, replicas)
     dist.barrier()  # rank 0's files are written before any rank exits
@@ -396,7 +408,11 @@ def build_pipeline_module(spec: PipelineSpec) -> PipelineModule:
 
 
 def _start_resume(
-    spec: PipelineSpec, engine: Any, module: PipelineModule, data: Iterator[Any]
+    spec: PipelineSpec,
+    engine: Any,
+    module: PipelineModule,
+    data: Iterator[Any],
+    exchange: NodeExchange,
 ) -> _Resume:
     """Every rank: continue from the newest valid resume checkpoint, if resuming is on.
 
@@ -406,12 +422,12 @@ def _start_resume(
     """
     config = spec.train_config
     if spec.checkpoint_root is None or not (config.checkpoint_every or spec.valid):
-        return _Resume(None, None, 0)
+        return _Resume(None, None, 0, exchange)
     store = CheckpointStore(spec.checkpoint_root, keep=config.keep_checkpoints, log=print)
-    start = _resume(store, spec, engine, module)
+    start = _resume(store, spec, engine, module, exchange)
     for _ in range(start * config.grad_accum_steps):
         next(data)  # replay the stream up to the checkpoint
-    return _Resume(store, Preemption(engine.device), start)
+    return _Resume(store, Preemption(engine.device), start, exchange)
 
 
 def _start_validation(spec: PipelineSpec, resume: _Resume, rank: int) -> _Validation | None:
@@ -635,6 +651,7 @@ def _checkpoint_step(
             counters,
             spec.config_fingerprint,
             spec.chaos.get("checkpoint_fault", ""),
+            exchange=resume.exchange,
             extra_meta=extra,
         )
     if stop:
@@ -725,10 +742,18 @@ def _write_outputs(
     spec.out.write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _resume(store: CheckpointStore, spec: PipelineSpec, engine: Any, module: PipelineModule) -> int:
+def _resume(
+    store: CheckpointStore,
+    spec: PipelineSpec,
+    engine: Any,
+    module: PipelineModule,
+    exchange: NodeExchange,
+) -> int:
     """Every rank: load the newest valid resume checkpoint, if any; returns its step (or 0)."""
     config = spec.train_config
-    point = find_resume_point(store, spec.config_fingerprint, config.zero_stage, convertible=False)
+    point = find_resume_point(
+        store, spec.config_fingerprint, config.zero_stage, convertible=False, exchange=exchange
+    )
     if point is None:
         return 0
     engine.load_checkpoint(

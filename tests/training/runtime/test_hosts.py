@@ -3,10 +3,12 @@
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
 from pydantic import ValidationError
 
 from data_prep.errors import ConfigError, InputNotFoundError
-from tasks.train import memory_budget, ssh_launch
+from tasks.train_launch import memory_budget, ssh_launch
+from tasks.train_nodes import check_dispatch, node_task
 from training.config import TrainConfig
 from training.runtime.hosts import check_ssh_hosts, node_hosts, read_hostfile, save_hostfile
 from training.runtime.launcher import NodeLaunch, free_port, launcher_command
@@ -38,6 +40,14 @@ def test_ranks_per_node_gives_the_world_size_and_where_fields_leave_the_cache_ke
         ({"hostfile": "h"}, "train.hostfile='h' applies to launcher 'ssh' or 'per_node'"),
         ({"launcher": "per_node", "ssh_port": 22}, "train.ssh_port=22 applies to launcher 'ssh'"),
         (
+            {"node_dispatch": "workers"},
+            "train.node_dispatch=workers applies to launcher 'per_node'",
+        ),
+        (
+            {"launcher": "per_node", "node_pickup_timeout_s": 5},
+            "train.node_pickup_timeout_s=5.0 applies to node_dispatch 'workers' only",
+        ),
+        (
             {
                 "model": "sasrec",
                 "launcher": "ssh",
@@ -48,10 +58,6 @@ def test_ranks_per_node_gives_the_world_size_and_where_fields_leave_the_cache_ke
                 "pipeline_stages": 3,
             },
             "train.nodes=2 x ranks_per_node=3 does not divide train.pipeline_stages=3",
-        ),
-        (
-            {"model": "sasrec", "launcher": "per_node", "nodes": 2},
-            "train.model=sasrec runs on several nodes with launcher 'ssh'",
         ),
     ],
 )
@@ -126,3 +132,25 @@ def test_memory_is_planned_per_node() -> None:
     assert budget == int(total * 0.85) and "each node's" in source and "1 ranks per node" in source
     budget, source = memory_budget(TrainConfig(world_size=2), "cpu")
     assert budget == int(total * 0.85 / 2) and "2 ranks per node" in source
+
+
+def test_node_workers_need_an_object_store_root_and_a_prefect_server() -> None:
+    workers = TrainConfig(nodes=2, launcher="per_node", node_dispatch="workers")
+    with pytest.raises(ConfigError, match="artifact root /tmp/r is a local path"):
+        check_dispatch(workers, "/tmp/r")
+    with temporary_settings({PREFECT_API_URL: None}):
+        with pytest.raises(ConfigError, match="set PREFECT_API_URL"):
+            check_dispatch(workers, "s3://bucket/x")
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
+        check_dispatch(workers, "s3://bucket/x")
+    check_dispatch(TrainConfig(nodes=2, launcher="per_node"), "/tmp/r")  # threads here
+
+
+def test_each_node_task_has_a_key_of_its_own_that_survives_the_worker_copy() -> None:
+    """Prefect routes a run to the workers serving its task key; the worker copies the
+    task (`with_options`), which derives the key again from the function."""
+    keys = [node_task(index).task_key for index in range(3)]
+    assert len(set(keys)) == 3
+    assert [
+        node_task(index).with_options(persist_result=True).task_key for index in range(3)
+    ] == keys

@@ -27,6 +27,8 @@ import pytest
 from pydantic import ValidationError
 
 import tasks.train
+import tasks.train_launch
+import tasks.train_nodes
 import training.ctr.worker
 import training.sequence.pipeline_worker
 from data_prep.errors import ConfigError, InputNotFoundError
@@ -99,10 +101,16 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "master_addr": ({}, {"master_addr": "10.0.0.1"}),
     "master_port": ({}, {"master_port": 29600}),
     "ssh_port": ({"launcher": "ssh", "hostfile": "hosts"}, {"ssh_port": 2222}),
+    "node_dispatch": ({"launcher": "per_node"}, {"node_dispatch": "workers"}),
+    "node_pickup_timeout_s": (
+        {"launcher": "per_node", "node_dispatch": "workers"},
+        {"node_pickup_timeout_s": 30.0},
+    ),
 }
 
-# Fields that say where the ranks run: the train task reads them (`tasks.train`) to
-# build DeepSpeed's launcher command; the ranks' plan must not change with them.
+# Fields that say where the ranks run: the train task reads them (`tasks.train` and the
+# modules it launches with) to build DeepSpeed's launcher command and send node runs;
+# the ranks' plan must not change with them.
 LAUNCH_FIELDS = set(WHERE_FIELDS)
 
 # Where the sequence models' base (the defaults) needs another change than DLRM's.
@@ -209,10 +217,12 @@ def test_a_field_reaches_the_ranks_or_is_refused(
             "config_fingerprint"
         ), f"train.{field} is where the ranks run: a resume must not depend on it"
         assert config.fingerprinted() == base.fingerprinted()
-        read = "node_ranks()" if field == "ranks_per_node" else field
-        assert f"config.{read}" in inspect.getsource(tasks.train), (
-            f"train.{field} is read by nobody"
+        read = {"ranks_per_node": "node_ranks()", "node_pickup_timeout_s": "pickup_timeout_s()"}
+        sources = "".join(
+            inspect.getsource(module)
+            for module in (tasks.train, tasks.train_launch, tasks.train_nodes)
         )
+        assert f"config.{read.get(field, field)}" in sources, f"train.{field} is read by nobody"
         return
     if field == "memory_per_rank_gb":
         with pytest.raises(ConfigError, match="train.memory_per_rank_gb"):

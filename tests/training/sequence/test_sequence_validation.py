@@ -1,10 +1,12 @@
-"""Validation inside sequence training: best-step selection, patience, the curve file, and
-a 2-rank pipeline run killed after its best was saved that resumes to the same best."""
+"""Validation inside sequence training: best-step selection, patience, the curve file, a
+2-rank pipeline run killed after its best was saved that resumes to the same best, and
+the same run on 2 nodes that share no disk."""
 
 import json
 import os
 import signal
 import socket
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from data_prep.errors import TrainingCrashed
 from training.config import EvaluateConfig, TrainConfig
 from training.runtime.files import RANKS_FILE
+from training.runtime.hosts import node_hosts, save_hostfile
+from training.runtime.launcher import NodeLaunch
 from training.sequence.evaluate import evaluate_sequence_model, load_split_inputs
 from training.sequence.registry import SEQUENCE_MODEL_REGISTRY
 from training.sequence.train import train_sequence_model
@@ -278,3 +282,57 @@ def test_a_killed_run_resumes_to_the_same_best_step_and_weights(tmp_path: Path) 
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
     assert list((tmp_path / "clean" / "tensorboard").iterdir())  # the valid curve is there
+
+
+@pytest.mark.slow
+@pytest.mark.scaleout
+def test_two_nodes_that_share_no_disk_train_the_one_node_pipeline(tmp_path: Path) -> None:
+    """2 nodes x 1 rank (a pipeline stage each, launcher 'per_node'), each node its own
+    checkpoint and output directories, trading checkpoint files through an exchange
+    directory only: the curve, the best step and the weights of 1 node x 2 ranks."""
+    seq_dir = tmp_path / "seq"
+    write_sequences(seq_dir)
+    reference = train(seq_dir, tmp_path / "one-node", tmp_path / "one-node-root")
+
+    config = TrainConfig(**TRAIN, nodes=2, launcher="per_node")
+    hostfile = save_hostfile(tmp_path / "hosts", node_hosts(2, 1))
+    port, exchange = free_port(), str(tmp_path / "exchange")
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
+    env = {**os.environ, "PYTHONPATH": ":".join(paths)}
+    errors: dict[int, BaseException] = {}
+
+    def node(index: int) -> None:
+        try:
+            train_sequence_model(
+                config,
+                seq_dir,
+                tmp_path / f"node-{index}" / "out",
+                "cpu",
+                port,
+                env,
+                checkpoint_root=tmp_path / f"node-{index}" / "resume",
+                node=NodeLaunch(hostfile, 2, 1, "127.0.0.1", node_rank=index, exchange=exchange),
+            )
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors[index] = error
+
+    threads = [threading.Thread(target=node, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not errors, errors
+    summary = json.loads((tmp_path / "node-0" / "out" / "train_summary.json").read_text())
+    assert summary["validation"]["curve"] == reference["validation"]["curve"]
+    assert summary["validation"]["best_step"] == reference["validation"]["best_step"] == 4
+    expected = load_file(tmp_path / "one-node" / "model.safetensors")
+    actual = load_file(tmp_path / "node-0" / "out" / "model.safetensors")
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    # Each node kept its own whole copy of the checkpoints, the pinned best included.
+    kept = [
+        sorted(p.name for p in (tmp_path / f"node-{i}" / "resume").glob("step-*")) for i in (0, 1)
+    ]
+    assert kept[0] == kept[1] and "step-00000004" in kept[0], kept
+    assert not (tmp_path / "node-1" / "out" / "model.safetensors").exists()  # node 0 writes
