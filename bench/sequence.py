@@ -8,6 +8,8 @@ turned into train histories by `data_prep.sequences.build_sequences` into
 distribution (610 users, 20-2,698 items each, 9,724 items); the figures say which
 (`data`).
 
+The train histories are windowed as the config's `preprocess.sequence_windows` says.
+
 Model and training: `configs/sasrec-ml-latest-small.yaml`'s train section as shipped
 (hidden_dim, blocks, heads, dropout, loss, negatives, micro batch, grad_accum_steps,
 lr, seed), only the layout and the step count overridden. Runs, one after the other
@@ -86,9 +88,10 @@ MAX_LENGTH = 200  # the config's preprocess.sequence_length
 # --- data -----------------------------------------------------------------------------
 
 
-def write_sequences(workdir: Path, seed: int = 0) -> tuple[Path, str]:
-    """Train sequences under workdir/sequences (cached); returns (dir, data description)."""
-    out = workdir / "sequences"
+def write_sequences(workdir: Path, windows: str = "last", seed: int = 0) -> tuple[Path, str]:
+    """Train sequences under workdir/sequences-<windows> (cached); returns (dir, data
+    description). `windows` is the shipped config's preprocess.sequence_windows."""
+    out = workdir / f"sequences-{windows}"
     if RATINGS.is_file():
         description = f"ml-latest-small ({RATINGS})"
     else:
@@ -133,7 +136,14 @@ def write_sequences(workdir: Path, seed: int = 0) -> tuple[Path, str]:
         )
         split_dirs[name] = directory
     build_sequences(
-        split_dirs, "user", "item", "timestamp", MAX_LENGTH, out, num_items=len(vocabulary) + 1
+        split_dirs,
+        "user",
+        "item",
+        "timestamp",
+        MAX_LENGTH,
+        out,
+        num_items=len(vocabulary) + 1,
+        windows=windows,
     )
     shutil.rmtree(workdir / "splits")
     return out, description
@@ -312,14 +322,24 @@ def plain_torch_run(
     for step in range(1, steps + 1):
         optimizer.zero_grad(set_to_none=True)
         for _ in range(config.grad_accum_steps):
+            per_position = 0 if seq.shared_negatives else seq.num_negatives
             history, positives, candidates = plain_batch(
-                next_rows(), MAX_LENGTH, num_items, seq.num_negatives
+                next_rows(), MAX_LENGTH, num_items, per_position
             )
             if seq.loss == "softmax":  # every item scored where there is a positive
                 scored = positives != 0
                 logits = model(history, None)[scored] @ model.items.weight.T  # (M, V)
                 logits = logits.index_fill(-1, torch.tensor([0]), float("-inf"))
                 loss = F.cross_entropy(logits, positives[scored])
+            elif seq.shared_negatives:  # one set of negatives for the micro batch
+                scored = positives != 0
+                states, targets = model(history, None)[scored], positives[scored]  # (M, D)
+                shared = torch.randint(1, num_items, (seq.num_negatives,))
+                positive = (states * model.items(targets)).sum(-1, keepdim=True)
+                logits = (states @ model.items(shared).T).masked_fill(
+                    shared.unsqueeze(0) == targets.unsqueeze(1), float("-inf")
+                )
+                loss = F.cross_entropy(torch.cat([positive, logits], -1), torch.zeros_like(targets))
             else:
                 loss = plain_loss(model(history, candidates), positives, seq.loss)
             (loss / config.grad_accum_steps).backward()
@@ -345,9 +365,10 @@ def main() -> None:
     parser.add_argument("--layouts", default="1x2,2x1", help="stages x replicas, comma list")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    sequences, data = write_sequences(args.workdir)
+    config_file = load_config(CONFIG)
+    sequences, data = write_sequences(args.workdir, config_file.preprocess.sequence_windows)
     num_items = json.loads((sequences / "sequences.json").read_text())["num_items"]
-    shipped = load_config(CONFIG).train
+    shipped = config_file.train
     figures: dict = {"data": data, "num_items": num_items, "steps": args.steps}
 
     plain_config = shipped.model_copy(update={"log_every": args.log_every})

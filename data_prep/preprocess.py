@@ -142,7 +142,12 @@ class PreprocessConfig(BaseModel):
         description="When set, also write per-user behaviour sequences of at most this many "
         "items under sequences/ (needs schema.user_key and schema.item_key as sparse fields).",
     )
-
+    sequence_windows: Literal["last", "all"] = Field(
+        default="last",
+        description="Train sequences per user: 'last', its newest sequence_length + 1 items "
+        "(the SASRec paper's); 'all', as many windows of sequence_length + 1 items as cover "
+        "every train item, so that long histories train on their older items too.",
+    )
     sequence_item_features: list[str] = Field(
         default=[],
         description="Single-valued sparse fields that describe the item (e.g. category): "
@@ -274,6 +279,7 @@ def preprocess_events(
                 name: transform["sparse"][name]["num_embeddings"]
                 for name in config.sequence_item_features
             },
+            windows=config.sequence_windows,
         )
         sequences = built.rows
     time_plan = plan if isinstance(plan, _TimePlan) else None
@@ -318,6 +324,7 @@ def _build_sequences_remote(
                 name: transform["sparse"][name]["num_embeddings"]
                 for name in config.sequence_item_features
             },
+            windows=config.sequence_windows,
         )
         for path in sorted(p for p in (local / "sequences").rglob("*") if p.is_file()):
             rel = path.relative_to(local).as_posix()
@@ -357,6 +364,11 @@ def _check_config(config: PreprocessConfig, schema: SchemaConfig) -> None:
         raise ConfigError(
             "preprocess.sequence_item_features needs preprocess.sequence_length; set it, or "
             "drop sequence_item_features."
+        )
+    if config.sequence_windows != "last" and config.sequence_length is None:
+        raise ConfigError(
+            f"preprocess.sequence_windows={config.sequence_windows!r} needs "
+            "preprocess.sequence_length; set it, or drop sequence_windows."
         )
     for name in config.sequence_item_features:
         spec = next((f for f in schema.fields if f.name == name), None)

@@ -5,7 +5,10 @@ mapped to indices) and writes, under ``out_dir``:
 
 - ``train.parquet``: ``user``, ``history`` (the user's train items, oldest first,
   the last ``max_length + 1`` of them, so that next-item training has
-  ``max_length`` inputs and targets);
+  ``max_length`` inputs and targets; with ``windows="all"`` a user whose train
+  items do not fit gets more rows: consecutive windows of ``max_length + 1``
+  items that overlap by one, newest last, so that every train item but the
+  user's first is a target exactly once per pass);
 - ``valid.parquet`` / ``test.parquet``: one row per evaluation event with
   ``user``, ``history`` (the last ``max_length`` items the user interacted with
   *before* the event: train items for valid, train + valid items for test),
@@ -42,6 +45,7 @@ import pyarrow.parquet as pq
 from data_prep.errors import DataError
 
 EVAL_SPLITS = ("valid", "test")
+TRAIN_WINDOWS = ("last", "all")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ def build_sequences(
     partition_rows: int = 2_000_000,
     num_items: int | None = None,
     item_features: dict[str, int] | None = None,
+    windows: str = "last",
 ) -> SequenceResult:
     """Write train sequences and evaluation (history, target) rows.
 
@@ -78,6 +83,8 @@ def build_sequences(
             sequences.json and the length of train_item_counts.npy; None: max item + 1.
         item_features: item-describing index columns -> their number of indices, for
             item_features.parquet; needs num_items.
+        windows: "last": one train row per user, its newest ``max_length + 1`` items
+            (the SASRec paper's); "all": as many rows as cover every train item.
 
     Returns:
         Users with a train sequence and rows per output.
@@ -85,6 +92,8 @@ def build_sequences(
     Raises:
         DataError: an evaluation event is not later than the history it is given.
     """
+    if windows not in TRAIN_WINDOWS:
+        raise ValueError(f"windows={windows!r}: expected one of {TRAIN_WINDOWS}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     total = sum(_rows(split_dirs[s]) for s in ("train", *EVAL_SPLITS))
@@ -114,8 +123,8 @@ def build_sequences(
             path = spill / f"{part}.parquet"
             if not path.exists():
                 continue
-            outputs = _sequences_of_partition(pq.read_table(path), max_length)
-            users += outputs["train"].num_rows
+            outputs = _sequences_of_partition(pq.read_table(path), max_length, windows)
+            users += len(pc.unique(outputs["train"].column("user")))
             for name, table in outputs.items():
                 if name not in writers:
                     writers[name] = pq.ParquetWriter(out_dir / f"{name}.parquet", table.schema)
@@ -131,6 +140,7 @@ def build_sequences(
         json.dumps(
             {
                 "max_length": max_length,
+                "windows": windows,
                 "num_items": num_items,
                 "item_features": features,
                 "users": users,
@@ -228,7 +238,25 @@ def _spill_by_user(
     return counts
 
 
-def _sequences_of_partition(table: pa.Table, max_length: int) -> dict[str, pa.Table]:
+def train_windows(items: np.ndarray, max_length: int, windows: str) -> list[np.ndarray]:
+    """A user's train rows: windows of at most ``max_length + 1`` items, oldest first.
+
+    "last" keeps the newest window only. "all" steps back ``max_length`` items at a
+    time, so that consecutive windows share one item (the input of the newer window's
+    first target) and every item but the first is a target exactly once. A user
+    with no train item gets no row; one with a single item gets that one (as "last").
+    """
+    if not len(items):
+        return []
+    ends = [len(items)]
+    if windows == "all" and len(items) > 1:
+        ends = list(range(len(items), 1, -max_length))[::-1]
+    return [items[max(0, end - max_length - 1) : end] for end in ends]
+
+
+def _sequences_of_partition(
+    table: pa.Table, max_length: int, windows: str = "last"
+) -> dict[str, pa.Table]:
     """Group one partition's events by user, in time order."""
     table = table.take(
         pc.sort_indices(table, [("user", "ascending"), ("ts", "ascending"), ("order", "ascending")])
@@ -248,9 +276,9 @@ def _sequences_of_partition(table: pa.Table, max_length: int) -> dict[str, pa.Ta
         u_items, u_ts, u_split = items[start:end], ts[start:end], split[start:end]
         in_train = u_split == 0
         train_items = u_items[in_train]
-        if len(train_items):
+        for window in train_windows(train_items, max_length, windows):
             train["user"].append(int(users[start]))
-            train["history"].append(train_items[-(max_length + 1) :].tolist())
+            train["history"].append(window.tolist())
         for code, name in enumerate(EVAL_SPLITS, start=1):
             # Valid events see train history; test events see train + valid history.
             allowed = u_split < code

@@ -64,7 +64,14 @@ class SequenceModelConfig(BaseModel):
     num_negatives: int = Field(
         1,
         ge=1,
-        description="Uniformly sampled negative items per position ('bce', 'sampled_softmax').",
+        description="Uniformly sampled negative items per position ('bce', 'sampled_softmax'), "
+        "or per micro batch with shared_negatives.",
+    )
+    shared_negatives: bool = Field(
+        False,
+        description="'sampled_softmax' only: one set of num_negatives uniform items per micro "
+        "batch, shared by every position and scored by one matrix product (thousands cost "
+        "what a few per position do); a draw equal to a position's positive is masked.",
     )
 
     @model_validator(mode="after")
@@ -73,6 +80,12 @@ class SequenceModelConfig(BaseModel):
             raise ValueError(
                 f"train.sequence.num_negatives={self.num_negatives}: loss 'softmax' scores "
                 "every item and samples none; remove it (or use loss: sampled_softmax)"
+            )
+        if self.shared_negatives and self.loss != "sampled_softmax":
+            raise ValueError(
+                f"train.sequence.shared_negatives with loss {self.loss!r}: only "
+                "'sampled_softmax' shares its negatives across a micro batch; remove "
+                "shared_negatives or set loss: sampled_softmax"
             )
         return self
 

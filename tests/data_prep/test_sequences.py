@@ -72,6 +72,35 @@ def test_histories_are_time_ordered_and_never_hold_later_splits(tmp_path, partit
     assert counts.tolist() == [0] * 10 + [1, 1, 1, 1] + [0] * 6 + [1]  # train items only
 
 
+def test_all_windows_make_every_train_item_but_the_first_a_target_once(tmp_path):
+    rows = [("train", 1, 100 + i, i) for i in range(9)] + [("test", 1, 200, 50)]
+    rows += [("train", 2, 300, 1), ("test", 2, 301, 2)]
+    dirs = write_splits(tmp_path, rows)
+    last = build_sequences(dirs, "user_id", "item_id", "ts", 3, tmp_path / "last")
+    every = build_sequences(dirs, "user_id", "item_id", "ts", 3, tmp_path / "all", windows="all")
+    histories = pq.read_table(tmp_path / "all" / "train.parquet").to_pylist()
+    assert [(r["user"], r["history"]) for r in histories] == [
+        (1, [100, 101, 102]),  # the oldest window may be short
+        (1, [102, 103, 104, 105]),  # windows overlap by one item: the first input
+        (1, [105, 106, 107, 108]),
+        (2, [300]),  # a single train item: one row, as with "last"
+    ]
+    targets = [item for r in histories for item in r["history"][1:]]
+    assert sorted(targets) == list(range(101, 109))  # each train item but the first, once
+    assert all(len(r["history"]) <= 4 for r in histories)
+    assert histories[-1] == {"user": 2, "history": [300]}
+    last_rows = pq.read_table(tmp_path / "last" / "train.parquet").to_pylist()
+    assert last_rows[0]["history"] == histories[-2]["history"]  # the newest window
+    assert every.users == last.users == 2
+    assert every.rows["train"] == len(histories) == 4 and last.rows["train"] == 2
+    assert json.loads((tmp_path / "all" / "sequences.json").read_text())["windows"] == "all"
+    # the evaluation rows do not depend on the windows
+    for split in ("valid", "test"):
+        assert pq.read_table(tmp_path / "all" / f"{split}.parquet").equals(
+            pq.read_table(tmp_path / "last" / f"{split}.parquet")
+        )
+
+
 def test_a_train_event_after_a_test_event_is_a_leak(tmp_path):
     leaky = [*ROWS, ("train", 2, 22, 70)]
     with pytest.raises(DataError, match="leaks"):

@@ -1,11 +1,13 @@
 """The shard shuffle as tasks over URLs gives the in-process shuffle's bytes."""
 
+import json
 import uuid
 from functools import partial
 
 import fsspec
 import pytest
 
+from data_prep.errors import ConfigError
 from data_prep.locations import join, list_files, read_bytes
 from data_prep.preprocess import PreprocessConfig, ordered_map, preprocess_events
 from data_prep.shard import ShardConfig, write_shards, write_shards_distributed
@@ -89,7 +91,8 @@ def test_distributed_shard_names_the_missing_input(tmp_path):
     assert join(url, "a", "b") == f"{url}/a/b"
 
 
-def test_preprocess_with_sequences_writes_the_same_files_to_a_url(tmp_path):
+@pytest.mark.parametrize("windows", ["last", "all"])
+def test_preprocess_with_sequences_writes_the_same_files_to_a_url(tmp_path, windows):
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -119,7 +122,13 @@ def test_preprocess_with_sequences_writes_the_same_files_to_a_url(tmp_path):
     )
     pq.write_table(table.slice(0, n // 2), tmp_path / "events" / "part-00000.parquet")
     pq.write_table(table.slice(n // 2), tmp_path / "events" / "part-00001.parquet")
-    config = PreprocessConfig(split="leave_last_out", min_count=1, sequence_length=5)
+    config = PreprocessConfig(
+        split="leave_last_out", min_count=1, sequence_length=5, sequence_windows=windows
+    )
+    if windows == "all":  # windows of what: refused without sequences
+        no_sequences = config.model_copy(update={"sequence_length": None})
+        with pytest.raises(ConfigError, match="sequence_windows='all' needs"):
+            preprocess_events(no_sequences, schema, tmp_path / "events", tmp_path / "refused")
     local = preprocess_events(config, schema, tmp_path / "events", tmp_path / "pre")
     url = f"memory://recforge-{uuid.uuid4().hex[:8]}/pre"
     remote = preprocess_events(config, schema, tmp_path / "events", url)
@@ -127,3 +136,7 @@ def test_preprocess_with_sequences_writes_the_same_files_to_a_url(tmp_path):
     expected = tree(tmp_path / "pre")
     assert any(name.startswith("sequences/") for name in expected)
     assert tree(url) == expected
+    meta = json.loads((tmp_path / "pre" / "sequences" / "sequences.json").read_text())
+    assert meta["windows"] == windows
+    users = meta["users"]
+    assert (meta["rows"]["train"] > users) == (windows == "all")  # 50 events a user, L = 5

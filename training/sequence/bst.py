@@ -499,6 +499,7 @@ def bst_micro_batch(
     num_items: int,
     num_negatives: int,
     generator: torch.Generator,
+    shared: bool = False,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """One pipeline micro batch of train rows: ((history, target), label).
 
@@ -508,10 +509,14 @@ def bst_micro_batch(
         num_items: V.
         num_negatives: Negative targets per positive.
         generator: The cut points' and negatives' random source.
+        shared: Must be False: each BST negative is a target of its own pass
+            (`train.sequence.shared_negatives` is refused for BST).
 
     Returns:
         history (B', L), target (B',), label (B',) with B' = len(rows) x (1 + N).
     """
+    if shared:
+        raise ValueError("BST scores each negative in a pass of its own; it shares none")
     samples = bst_batch(rows, max_length, num_items, num_negatives, generator)
     return bst_pipeline_batch(*samples)
 

@@ -283,7 +283,9 @@ def micro_batches(
     negatives = 0 if config.sequence.loss == "softmax" else config.sequence.num_negatives
     while True:
         rows = [next(source) for _ in range(config.batch_size)]
-        yield entry.micro_batch(rows, max_length, num_items, negatives, negatives_rng)
+        yield entry.micro_batch(
+            rows, max_length, num_items, negatives, negatives_rng, config.sequence.shared_negatives
+        )
 
 
 def seed_layer(seed: int) -> None:

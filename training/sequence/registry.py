@@ -46,9 +46,9 @@ from training.sequence.sasrec import (
 
 # (logits, labels) -> scalar loss, as DeepSpeed's PipelineModule calls its loss_fn.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# (rows, max_length, num_items, num_negatives, generator) -> (inputs, labels).
+# (rows, max_length, num_items, num_negatives, generator, shared) -> (inputs, labels).
 MicroBatchFn = Callable[
-    [list[list[int]], int, int, int, torch.Generator],
+    [list[list[int]], int, int, int, torch.Generator, bool],
     tuple[tuple[torch.Tensor, ...], torch.Tensor],
 ]
 
@@ -64,8 +64,8 @@ class SequenceModel:
         build_pipeline_layers: model_config dict -> `deepspeed.pipe` layer specs.
         losses: `train.sequence.loss` values this model trains with -> the
             PipelineModule's loss function; other values are refused.
-        micro_batch: (train rows, L, V, negatives, generator) -> one pipeline micro
-            batch `(inputs, labels)` as `engine.train_batch` pulls it.
+        micro_batch: (train rows, L, V, negatives, generator, shared negatives) -> one
+            pipeline micro batch `(inputs, labels)` as `engine.train_batch` pulls it.
         pipeline_state_to_model: Merged per-layer checkpoint tensors (`<layer>.<name>`)
             -> the model's state dict.
         min_items: Train histories with fewer items are skipped by the reader.

@@ -490,6 +490,22 @@ def sample_negatives(
     return negatives.masked_fill(positives.unsqueeze(-1) == PADDING_ITEM, PADDING_ITEM)
 
 
+def sample_shared_negatives(
+    num_items: int, num_negatives: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """N uniform negatives from [1, num_items) that every position of a micro batch shares.
+
+    One (M, D) x (D, N) product scores them all, so N can be in the thousands at the
+    cost of a few per-position negatives. Uniform draws need no logQ correction (every
+    candidate's would be the same constant); a draw equal to a position's positive is
+    masked out of that position's softmax (`score_candidates_pipe`).
+
+    Returns:
+        (N,) int64.
+    """
+    return torch.randint(1, num_items, (num_negatives,), generator=generator, dtype=torch.int64)
+
+
 def bce_loss(logits: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
     """SASRec's loss: -log s(pos) - sum_n log(1 - s(neg_n)), averaged over valid positions.
 
@@ -515,13 +531,20 @@ def sampled_softmax_loss(logits: torch.Tensor, positives: torch.Tensor) -> torch
     """Cross-entropy of the positive against its N sampled negatives, over valid positions.
 
     Args:
-        logits: (B, L, 1 + N), the positive first.
+        logits: (B, L, 1 + N), the positive first; or, with negatives shared by the
+            micro batch, (M, 1 + N) at the M positions with a positive, in row order.
         positives: (B, L) int64, 0 at positions excluded from the loss.
 
     Returns:
         Scalar fp32 loss (0 if no position is valid).
     """
     logits = logits.float()
+    if logits.dim() == 2:  # shared negatives: the rows are the valid positions
+        if logits.shape[0] == 0:
+            return logits.sum() * 0.0
+        # The fused log-softmax: a third cheaper than logsumexp - logits[:, 0] at N = 1024.
+        first = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        return F.cross_entropy(logits, first)
     valid = positives != PADDING_ITEM  # (B, L)
     per_position = torch.logsumexp(logits, dim=-1) - logits[..., 0]  # (B, L)
     return (per_position * valid).sum() / valid.sum().clamp(min=1)
@@ -589,7 +612,8 @@ def score_candidates_pipe(
     """Last pipeline layer: (hidden, history, positives, negatives) -> logits (B, L, 1 + N).
 
     With no negatives (N = 0, loss 'softmax'): (M, V), every item scored at the M
-    positions with a positive, in row order, the padding item's scores -inf.
+    positions with a positive, in row order, the padding item's scores -inf. With
+    negatives shared by the micro batch ((N,), `sample_shared_negatives`): (M, 1 + N).
 
     Only the M positions with a positive are scored (about half of a left-padded
     MovieLens batch); the others, which every loss ignores, get logits 0. The candidates'
@@ -598,6 +622,17 @@ def score_candidates_pipe(
     """
     hidden, _, positives, negatives = inputs
     scored = (positives != PADDING_ITEM).nonzero(as_tuple=True)  # 2 x (M,)
+    if negatives.dim() == 1:
+        # Negatives shared by the micro batch: (M, 1 + N), a draw equal to the row's
+        # positive masked (it would count the positive against itself).
+        targets, states = positives[scored], hidden[scored]  # (M,), (M, D)
+        positive = (states * table.vectors(targets)).sum(dim=-1, keepdim=True)  # (M, 1)
+        shared = states @ table.vectors(negatives).T  # (M, N)
+        # In place on the product's output (its backward does not read it), at the
+        # few hits only: a masked copy of (M, N) costs more than the product.
+        hits = (negatives.unsqueeze(0) == targets.unsqueeze(1)).nonzero(as_tuple=True)
+        shared = shared.index_put_(hits, shared.new_tensor(float("-inf")))
+        return torch.cat([positive, shared], dim=-1)
     if negatives.shape[-1] == 0:
         # loss 'softmax': every item is a candidate; (M, V), the padding item excluded.
         items = torch.arange(table.weight.shape[0], device=hidden.device)
@@ -849,6 +884,7 @@ def sasrec_micro_batch(
     num_items: int,
     num_negatives: int,
     generator: torch.Generator,
+    shared: bool = False,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """One pipeline micro batch of train rows: ((history, positives, negatives), positives).
 
@@ -856,14 +892,19 @@ def sasrec_micro_batch(
         rows: B item lists, oldest first.
         max_length: L.
         num_items: V.
-        num_negatives: N negatives per position.
+        num_negatives: N negatives per position (per micro batch when shared).
         generator: The negatives' random source.
+        shared: One set of N negatives for the whole micro batch.
 
     Returns:
-        history (B, L), positives (B, L), negatives (B, L, N); positives again as labels.
+        history (B, L), positives (B, L), negatives (B, L, N) or shared (N,); positives
+        again as labels.
     """
     history, positives = next_item_batch(rows, max_length)  # (B, L) each
-    negatives = sample_negatives(positives, num_items, num_negatives, generator)  # (B, L, N)
+    if shared:
+        negatives = sample_shared_negatives(num_items, num_negatives, generator)  # (N,)
+    else:
+        negatives = sample_negatives(positives, num_items, num_negatives, generator)
     return pipeline_batch(history, positives, negatives)
 
 

@@ -219,6 +219,9 @@ def plan_sequence_memory(
     candidates = 2 * batch * positions * per_position * dim  # gathered vectors, grads
     if config.sequence.loss == "softmax":
         candidates = 2 * batch * positions * num_items  # every item's logit, and its grad
+    elif config.sequence.shared_negatives:  # the shared vectors, each position's logits
+        shared = config.sequence.num_negatives
+        candidates = 2 * (shared * dim + batch * positions * (1 + shared + 2 * dim))
     blocks_here = math.ceil(blocks / stages)
     activations = (
         in_flight

@@ -33,7 +33,9 @@ from training.sequence.sasrec import (
     next_item_batch,
     pipeline_state_to_sasrec,
     sample_negatives,
+    sample_shared_negatives,
     sampled_softmax_loss,
+    sasrec_micro_batch,
     score_candidates_pipe,
     softmax_loss,
 )
@@ -243,6 +245,47 @@ def test_the_softmax_loss_ranks_the_positive_against_every_item() -> None:
     torch.testing.assert_close(softmax_loss(logits, positives), by_hand, rtol=1e-6, atol=1e-6)
     empty = torch.zeros(0, ARGS["num_items"])
     assert softmax_loss(empty, torch.zeros_like(positives)).item() == 0.0
+
+
+def test_shared_negatives_rank_each_positive_against_one_set_per_micro_batch() -> None:
+    """shared_negatives: (M, 1 + N) logits, the positive first, a draw equal to the
+    row's positive masked; the loss is the cross-entropy over that row, by hand."""
+    layers = build_pipeline_layers(**ARGS)
+    history, positives, _ = tiny_batch()
+    scored = positives != 0
+    targets = positives[scored]
+    shared = torch.cat([targets[:2], torch.tensor([1, 2, 49])])  # two accidental hits
+    with torch.no_grad():
+        logits, state = run_layers(layers, (history, positives, shared))
+    assert logits.shape == (int(scored.sum()), 1 + len(shared))
+
+    model = SASRec(**ARGS).eval()
+    model.load_state_dict(pipeline_state_to_sasrec(state), strict=True)
+    with torch.no_grad():
+        every = model.score(model(history), None)[scored]  # (M, V)
+    by_hand_rows = []
+    for row, target, got in zip(every, targets, logits, strict=True):
+        kept = shared[shared != target]
+        assert got[0].item() == pytest.approx(row[target].item(), abs=1e-5)
+        hits = (shared == target).nonzero().flatten() + 1
+        assert torch.all(got[hits] == float("-inf"))
+        candidates = torch.cat([row[target].view(1), row[kept]])
+        by_hand_rows.append(torch.logsumexp(candidates, 0) - row[target])
+    by_hand = torch.stack(by_hand_rows).mean()
+    torch.testing.assert_close(sampled_softmax_loss(logits, positives), by_hand, atol=1e-5, rtol=0)
+    assert sampled_softmax_loss(torch.zeros(0, 6), torch.zeros_like(positives)).item() == 0.0
+
+
+def test_shared_negatives_are_one_uniform_draw_per_micro_batch() -> None:
+    generator = torch.Generator().manual_seed(0)
+    (history, positives, negatives), labels = sasrec_micro_batch(
+        [[1, 2, 3], [4, 5, 6, 7]], 6, 30, 500, generator, shared=True
+    )
+    assert negatives.shape == (500,) and history.shape == positives.shape == (2, 6)
+    assert negatives.min() >= 1 and negatives.max() < 30 and len(negatives.unique()) == 29
+    again = sample_shared_negatives(30, 500, torch.Generator().manual_seed(0))
+    # next_item_batch draws nothing: the same seed gives the same shared set
+    assert torch.equal(again, negatives)
 
 
 def test_mask_dropout_keeps_with_probability_1_minus_p_and_rescales() -> None:
@@ -610,6 +653,25 @@ def test_one_stage_and_two_stages_train_the_same_model(tmp_path: Path) -> None:
                 # shift), so Adam turns float noise into lr-sized steps: not compared.
                 moved[dim : 2 * dim] = expected[dim : 2 * dim] = 0
             torch.testing.assert_close(moved, expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_shared_negatives_train_the_same_on_one_stage_and_on_two(tmp_path: Path) -> None:
+    # The (N,) shared set travels between the stages with the activations; the last
+    # stage scores it. Both layouts draw the same sets, so the losses agree.
+    shared = {"loss": "sampled_softmax", "num_negatives": 64, "shared_negatives": True}
+    one = launch(pipeline_spec(tmp_path, steps=8, sequence=shared), tmp_path, "one")
+    two = launch(
+        pipeline_spec(
+            tmp_path, num_stages=2, steps=8, sequence={**shared, "partition_method": "blocks"}
+        ),
+        tmp_path,
+        "two",
+    )
+    assert len(one["losses"]) == 8 and two["parts"] == [0, 3, 6]
+    for step, (a, b) in enumerate(zip(one["losses"], two["losses"], strict=True)):
+        assert b == pytest.approx(a, rel=1e-4), f"step {step}: {a} vs {b}"
+    assert sum(one["losses"][-3:]) < sum(one["losses"][:3])
 
 
 @pytest.mark.slow

@@ -85,6 +85,18 @@ def test_memory_plan_grows_with_the_batch_and_refuses_what_does_not_fit() -> Non
     with pytest.raises(ConfigError, match="Lower train.batch_size") as error:
         check_sequence_memory(big, small.total, "train.memory_per_rank_gb")
     assert "activations" in str(error.value) and "train.memory_per_rank_gb" in str(error.value)
+    # Shared negatives: the (M, 1 + N) logits grow with N, not an (M, N, D) gather.
+    shared = {"loss": "sampled_softmax", "shared_negatives": True}
+    plans = [
+        plan_sequence_memory(
+            TrainConfig(**SASREC, batch_size=32, sequence={**shared, "num_negatives": n}),
+            model,
+            10_000,
+        ).per_rank["activations"]
+        for n in (1024, 2048)
+    ]
+    logits = 2 * 32 * 200 * 1024 * 4  # 1024 more logits and their grads per position
+    assert plans[1] - plans[0] == pytest.approx(logits + 2 * 1024 * 64 * 4, rel=1e-9)
 
 
 def test_missing_sequences_say_to_set_sequence_length(tmp_path: Path) -> None:
@@ -105,6 +117,15 @@ def test_sequence_options_a_model_does_not_take_are_refused() -> None:
     with pytest.raises(ValidationError, match="train.sequence.loss='sampled_softmax'"):
         TrainConfig(**{**SASREC, "model": "bst"}, sequence={"loss": "sampled_softmax"})
     TrainConfig(**{**SASREC, "model": "bst"}, sequence={"mlp": [16]})
+    TrainConfig(**SASREC, sequence={"loss": "sampled_softmax", "shared_negatives": True})
+    for loss in ("bce", "softmax"):
+        with pytest.raises(ValidationError, match="only 'sampled_softmax' shares"):
+            TrainConfig(**SASREC, sequence={"loss": loss, "shared_negatives": True})
+    with pytest.raises(ValidationError, match="train.sequence.loss='sampled_softmax'"):
+        TrainConfig(
+            **{**SASREC, "model": "bst"},
+            sequence={"loss": "sampled_softmax", "shared_negatives": True},
+        )
     with pytest.raises(ValidationError, match=r"train.sequence.mlp=\[16\] is BST's head"):
         TrainConfig(**SASREC, sequence={"mlp": [16]})
     with pytest.raises(ValidationError, match="train.embedding_dim=8 does not apply"):
