@@ -21,6 +21,16 @@ STAGES = ["ingest", "preprocess", "shard", "train", "evaluate", "export"]
 TINY_SEQUENCE = str(REPO / "configs" / "tiny-sasrec.yaml")
 # SASRec validated every epoch (a few steps) under evaluate's protocol (20 negatives).
 VALIDATION = ["train.eval_every_epochs=1", "train.valid_num_negatives=20"]
+# What the shipped ml-latest-small config trains with: every window of a long history,
+# and a softmax over negatives that each micro batch shares.
+SHIPPED_TRAINING = [
+    "preprocess.sequence_windows=all",
+    "train.sequence.loss=sampled_softmax",
+    "train.sequence.num_negatives=64",
+    "train.sequence.shared_negatives=true",
+    # The windows make an epoch longer than the 12 steps: validate every 5th of one.
+    "train.eval_every_epochs=0.2",
+]
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +46,9 @@ def raw(tmp_path_factory) -> Path:
 def sequence_run(prefect_server, raw, tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
     params = RunParams(
-        config=TINY_SEQUENCE, root=str(root), overrides=[f"ingest.path={raw}", *VALIDATION]
+        config=TINY_SEQUENCE,
+        root=str(root),
+        overrides=[f"ingest.path={raw}", *VALIDATION, *SHIPPED_TRAINING],
     )
     return root, raw, json.loads(Path(pipeline(**params.model_dump())).read_text())
 
@@ -59,6 +71,11 @@ def test_sasrec_runs_every_stage_and_records_ranking_metrics(sequence_run):
     assert summary["num_stages"] == 2 and summary["steps"] == 12
     model_config = json.loads((train / "model_config.json").read_text())
     assert model_config["item_features"]["category"] > 2  # the side feature was used
+    train_config = json.loads((train / "train_config.json").read_text())
+    assert train_config["sequence"]["shared_negatives"] is True
+    sequences = Path(record["stages"]["preprocess"]["output"]) / "sequences"
+    meta = json.loads((sequences / "sequences.json").read_text())
+    assert meta["windows"] == "all" and meta["rows"]["train"] > meta["users"]
     assert summary["samples_per_s"] > 0
     assert len((train / "train_log.jsonl").read_text().splitlines()) == 3  # steps 4, 8, 12
     # The exported weights are the best validation's, and the run record says which.
@@ -110,7 +127,7 @@ def test_rerun_from_evaluate_reuses_the_trained_pipeline(sequence_run):
         config=TINY_SEQUENCE,
         root=str(root),
         from_stage="evaluate",
-        overrides=[f"ingest.path={raw}", *VALIDATION],
+        overrides=[f"ingest.path={raw}", *VALIDATION, *SHIPPED_TRAINING],
     )
     record = json.loads(Path(pipeline(**params.model_dump())).read_text())
     assert [record["stages"][s]["status"] for s in STAGES] == ["cached"] * 4 + ["ran"] * 2
