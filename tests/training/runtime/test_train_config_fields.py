@@ -240,6 +240,52 @@ def test_a_field_reaches_the_ranks_or_is_refused(
     )
 
 
+# train.sequence's own fields: (what the base needs, the changed values); walked as the
+# train fields are, for the two sequence families.
+SEQUENCE_FIELD_CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "max_length": ({}, {"max_length": 4}),
+    "hidden_dim": ({}, {"hidden_dim": 32}),
+    "num_blocks": ({}, {"num_blocks": 3}),
+    "num_heads": ({}, {"num_heads": 2}),
+    "dropout": ({}, {"dropout": 0.3}),
+    "loss": ({}, {"loss": "sampled_softmax"}),
+    "num_negatives": ({}, {"num_negatives": 4}),
+    "shared_negatives": ({"loss": "sampled_softmax"}, {"shared_negatives": True}),
+    "mlp": ({}, {"mlp": [16]}),
+    "partition_method": ({}, {"partition_method": "uniform"}),
+}
+# BST trains on click labels with BCE: no other loss, so no shared negatives.
+SEQUENCE_REFUSED = {"sasrec": {"mlp"}, "bst": {"loss", "shared_negatives"}}
+
+
+def test_the_sequence_walk_covers_every_field() -> None:
+    fields = TrainConfig.model_fields["sequence"].annotation.model_fields
+    assert set(SEQUENCE_FIELD_CHANGES) == set(fields)
+
+
+@pytest.mark.parametrize("family", ["sasrec", "bst"])
+@pytest.mark.parametrize("field", sorted(SEQUENCE_FIELD_CHANGES))
+def test_a_sequence_field_reaches_the_ranks_or_is_refused(
+    family: str, field: str, data: dict[str, Path], tmp_path: Path
+) -> None:
+    needs, changed = SEQUENCE_FIELD_CHANGES[field]
+    if field in SEQUENCE_REFUSED[family]:
+        with pytest.raises(ValidationError, match=f"train.sequence.{field}"):
+            TrainConfig(**BASES[family], sequence=changed)
+        return
+    base = TrainConfig(**BASES[family], sequence=needs)
+    config = TrainConfig(**BASES[family], sequence={**needs, **changed})
+    assert getattr(config.sequence, field) != getattr(base.sequence, field)
+    plan = plan_of(family, data, tmp_path)
+    if what_ranks_see(plan(config)) != what_ranks_see(plan(base)):
+        return
+    source = inspect.getsource(RANK_MODULES[family])
+    assert f"config.sequence.{field}" in source, (
+        f"train.sequence.{field} changes nothing the {family} ranks are given and they do "
+        "not read it"
+    )
+
+
 @pytest.mark.parametrize("field", ["patience", "select_metric", "valid_num_negatives"])
 def test_a_validation_setting_without_validation_is_refused(field: str) -> None:
     _, changed = CHANGES[field]
