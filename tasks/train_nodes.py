@@ -177,7 +177,6 @@ class PerNodeRun:
         stop = threading.Event()
         futures = [
             train_node_task.submit(
-                self.spec,
                 index,
                 partial(
                     run_node,
@@ -310,9 +309,7 @@ def run_node(
 
 
 @task(name="train-node", task_run_name="train-node-{index}", retries=0, cache_policy=NO_CACHE)
-def train_node_task(
-    spec: NodeRunSpec, index: int, body: Callable[[], TrainResult | None]
-) -> TrainResult | None:
+def train_node_task(index: int, body: Callable[[], TrainResult | None]) -> TrainResult | None:
     """One node of a per-node train run in this process; the train task retries the whole."""
     return body()
 

@@ -542,7 +542,7 @@ def sampled_softmax_loss(logits: torch.Tensor, positives: torch.Tensor) -> torch
     if logits.dim() == 2:  # shared negatives: the rows are the valid positions
         if logits.shape[0] == 0:
             return logits.sum() * 0.0
-        # The fused log-softmax: a third cheaper than logsumexp - logits[:, 0] at N = 1024.
+        # The fused log-softmax: cheaper than logsumexp - logits[:, 0] on (M, 1 + N).
         first = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
         return F.cross_entropy(logits, first)
     valid = positives != PADDING_ITEM  # (B, L)
@@ -629,7 +629,7 @@ def score_candidates_pipe(
         positive = (states * table.vectors(targets)).sum(dim=-1, keepdim=True)  # (M, 1)
         shared = states @ table.vectors(negatives).T  # (M, N)
         # In place on the product's output (its backward does not read it), at the
-        # few hits only: a masked copy of (M, N) costs more than the product.
+        # few hits only: cheaper than a masked copy of the (M, N) logits.
         hits = (negatives.unsqueeze(0) == targets.unsqueeze(1)).nonzero(as_tuple=True)
         shared = shared.index_put_(hits, shared.new_tensor(float("-inf")))
         return torch.cat([positive, shared], dim=-1)
