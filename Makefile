@@ -46,4 +46,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf artifacts data
+	rm -rf store data

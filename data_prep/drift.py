@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
-from data_prep.locations import Location, list_files, open_parquet
+from artifacts.locations import Location, list_files, open_parquet
 from data_prep.schema import SchemaConfig
 
 OTHER = "__other__"

@@ -31,11 +31,10 @@ and ``combine_reports`` over their reports, so that a task runner can map over f
 ``ingest_logs`` runs them on a thread per core (in order when records are numbered
 across files). The output is the same bytes for the same input, whatever pyarrow's
 thread count or the number of files ingested at once. The output directory may be an
-fsspec URL (``data_prep.locations``): then every file is written through fsspec by
+fsspec URL (``artifacts.locations``): then every file is written through fsspec by
 whoever runs the step, with the same bytes.
 """
 
-import hashlib
 import json
 import posixpath
 import queue
@@ -56,8 +55,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from data_prep.errors import DataError, InputNotFoundError, SchemaError
-from data_prep.locations import Location, as_location, close_output, join, open_output, write_text
+from artifacts.errors import DataError, InputNotFoundError
+from artifacts.fingerprint import content_sha256
+from artifacts.locations import Location, as_location, close_output, join, open_output, write_text
+from data_prep.errors import SchemaError
 from data_prep.preprocess import ordered_map
 from data_prep.readers import Format, TextBatch, read_batches
 from data_prep.schema import FieldSpec, SchemaConfig
@@ -181,6 +182,15 @@ class FileReport:
         return self.rows - self.good_rows
 
 
+def _input_base(root: str) -> str:
+    """What input names are relative to: a glob's directory above its first wildcard
+    segment (metadata names are looked for below it), else `root` itself."""
+    if not any(ch in root for ch in "*?["):
+        return root
+    parts = root.split("/")
+    return "/".join(parts[: next(i for i, p in enumerate(parts) if any(c in p for c in "*?["))])
+
+
 def resolve_inputs(path: str, fmt: str = "auto") -> list[tuple[str, Format]]:
     """Expand ``path`` into (url, format) pairs, sorted by name.
 
@@ -192,12 +202,9 @@ def resolve_inputs(path: str, fmt: str = "auto") -> list[tuple[str, Format]]:
         SchemaError: a file's format cannot be told from its extension.
     """
     fs, root = fsspec.core.url_to_fs(path)
-    base = root
+    base = _input_base(root)
     if any(ch in root for ch in "*?["):
         candidates = sorted(fs.glob(root))
-        # Metadata names are looked for below the glob's first wildcard segment.
-        parts = root.split("/")
-        base = "/".join(parts[: next(i for i, p in enumerate(parts) if any(c in p for c in "*?["))])
     elif fs.isdir(root):
         candidates = sorted(fs.find(root))
     elif fs.isfile(root):
@@ -221,16 +228,25 @@ def resolve_inputs(path: str, fmt: str = "auto") -> list[tuple[str, Format]]:
 
 
 def describe_inputs(path: str, fmt: str = "auto") -> list[dict]:
-    """Name, size and modification stamp of every input file, for cache fingerprints.
+    """Name, size and sha256 of every input file, for cache fingerprints.
 
-    Rewriting the raw logs in place changes the stamp, so ingest runs again.
+    Keyed by content, not by where the files are: the name is relative to ``path``
+    (a directory, or a glob's directory), so the same files copied elsewhere, or touched,
+    describe the same, and one changed byte does not (`artifacts.fingerprint.content_sha256`,
+    computed once per version of a file).
     """
+    fs, root = fsspec.core.url_to_fs(path)
+    base = _input_base(root)
+    if not any(ch in root for ch in "*?[") and not fs.isdir(root):
+        base = root.rsplit("/", 1)[0]  # a single file is named by its base name
     described = []
     for url, _ in resolve_inputs(path, fmt):
-        fs, name = fsspec.core.url_to_fs(url)
-        info = fs.info(name)
-        stamp = next((info[k] for k in ("mtime", "LastModified", "ETag", "md5") if k in info), None)
-        described.append({"path": url, "size": info.get("size"), "stamp": stamp})
+        _, name = fsspec.core.url_to_fs(url)
+        inside = name.startswith(base.rstrip("/") + "/")
+        relative = name[len(base) :].lstrip("/") if inside else posixpath.basename(name)
+        described.append(
+            {"name": relative, "size": fs.info(name).get("size"), "sha256": content_sha256(url)}
+        )
     return described
 
 
@@ -260,15 +276,6 @@ def event_schema(schema: SchemaConfig) -> pa.Schema:
         nullable = not spec.required and spec.generated is None
         fields.append(pa.field(spec.name, kind, nullable=nullable))
     return pa.schema(fields)
-
-
-def file_digest(url: str) -> str:
-    """sha256 of a file's stored bytes (compressed files are not decompressed)."""
-    digest = hashlib.sha256()
-    with fsspec.open(url, "rb") as handle:
-        while block := handle.read(1 << 23):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def ingest_logs(
@@ -690,7 +697,7 @@ class _ReplayFinder:
 
     def _digest(self, url: str) -> str:
         if url not in self._digests:
-            self._digests[url] = file_digest(url)
+            self._digests[url] = content_sha256(url)
         return self._digests[url]
 
 

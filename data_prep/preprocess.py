@@ -32,7 +32,7 @@ merged), one transform pass per file. Memory is bounded by ``batch_rows``, the
 vocabularies and, for ``leave_last_out``, a few integers per user; it does not grow with
 the number of events.
 
-Input and output may be fsspec URLs (``data_prep.locations``): the per-file steps then
+Input and output may be fsspec URLs (``artifacts.locations``): the per-file steps then
 read and write through fsspec wherever they run, with the same bytes. Only the sequence
 builder's sort spills to a local temporary directory of the process that calls
 ``preprocess_events``.
@@ -54,13 +54,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from data_prep.errors import ConfigError, DataError, InputNotFoundError
-from data_prep.locations import (
+from artifacts.errors import ConfigError, DataError, InputNotFoundError
+from artifacts.locations import (
     Location,
     as_location,
     base_name,
     close_output,
-    is_url,
+    is_remote,
     join,
     list_files,
     open_output,
@@ -264,7 +264,7 @@ def preprocess_events(
     if empty:
         raise DataError(f"split(s) {empty} are empty after transforming ({rows}).")
     sequences = None
-    if config.sequence_length is not None and is_url(out_dir):
+    if config.sequence_length is not None and is_remote(out_dir):
         sequences = _build_sequences_remote(config, schema, transform, out_dir)
     elif config.sequence_length is not None:
         built = build_sequences(

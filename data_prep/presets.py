@@ -27,7 +27,7 @@ as may the hex-string categoricals ``C1..C26``.
 from dataclasses import dataclass
 from typing import Any
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from data_prep.ingest import IngestConfig
 from data_prep.schema import SchemaConfig
 

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from data_prep.errors import DataError
+from artifacts.errors import DataError
 
 EVAL_SPLITS = ("valid", "test")
 TRAIN_WINDOWS = ("last", "all")

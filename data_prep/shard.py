@@ -47,8 +47,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
-from data_prep.errors import ConfigError, InputNotFoundError, SchemaError
-from data_prep.locations import (
+from artifacts.errors import ConfigError, InputNotFoundError
+from artifacts.locations import (
     Location,
     as_location,
     base_name,
@@ -63,6 +63,7 @@ from data_prep.locations import (
     write_arrow,
     write_text,
 )
+from data_prep.errors import SchemaError
 from data_prep.preprocess import SPLITS
 from data_prep.transform import TRANSFORM_FORMAT, dictionary_columns, splitmix64
 

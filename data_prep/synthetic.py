@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 
 COLUMNS: tuple[str, ...] = (
     "ts",

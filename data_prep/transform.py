@@ -41,8 +41,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data_prep.errors import DataError, SchemaError
-from data_prep.locations import Location, write_text
+from artifacts.errors import DataError
+from artifacts.locations import Location, write_text
+from data_prep.errors import SchemaError
 from data_prep.schema import FieldSpec, SchemaConfig
 
 TRANSFORM_FORMAT = "recforge.transform/2"

@@ -8,19 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from data_prep.errors import ConfigError, InputNotFoundError, RecforgeError
+from artifacts.errors import ConfigError, InputNotFoundError, RecforgeError
+from artifacts.store import DEFAULT_ROOT, STAGES
 
 # tasks.common.STAGES, spelled out so argument errors need no Prefect import (a test keeps
 # them equal).
-STAGE_NAMES = ("ingest", "preprocess", "shard", "train", "evaluate", "export")
 
 
 def _stages(value: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [n for n in names if n not in STAGE_NAMES]
+    unknown = [n for n in names if n not in STAGES]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown stage(s) {unknown}; choose from {', '.join(STAGE_NAMES)}"
+            f"unknown stage(s) {unknown}; choose from {', '.join(STAGES)}"
         )
     return names
 
@@ -33,12 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="pipeline YAML, e.g. configs/demo.yaml")
     run.add_argument(
         "--root",
-        default="artifacts",
-        help="artifact store root: a directory (default ./artifacts) or an fsspec URL, "
+        default=DEFAULT_ROOT,
+        help=f"artifact store root: a directory (default ./{DEFAULT_ROOT}) or an fsspec URL, "
         "e.g. s3://bucket/prefix (needs pip install -e '.[s3]')",
     )
     selection = run.add_mutually_exclusive_group()
-    selection.add_argument("--from", dest="from_stage", choices=STAGE_NAMES, help="rerun from here")
+    selection.add_argument("--from", dest="from_stage", choices=STAGES, help="rerun from here")
     selection.add_argument("--only", type=_stages, default=[], help="rerun only these stages (a,b)")
     run.add_argument("--force", type=_stages, default=[], help="rerun these even if cached (a,b)")
     run.add_argument(
@@ -95,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--cron", default=None, help="the pipeline's schedule, e.g. '0 3 * * *'")
         sub.add_argument("--rerun-cron", default=None, help="the rerun flow's schedule (optional)")
         sub.add_argument(
-            "--rerun-stage", choices=STAGE_NAMES, default=None, help="stage a scheduled rerun runs"
+            "--rerun-stage", choices=STAGES, default=None, help="stage a scheduled rerun runs"
         )
-        sub.add_argument("--root", default="artifacts", help="artifact store root")
+        sub.add_argument("--root", default=DEFAULT_ROOT, help="artifact store root")
         sub.add_argument("--name", default=None, help="deployment name (default: config's name)")
         sub.add_argument(
             "--set",
@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=4200)
 
     models = commands.add_parser("models", help="the model registry: versions and champion")
-    models.add_argument("--root", default="artifacts", help="artifact store root")
+    models.add_argument("--root", default=DEFAULT_ROOT, help="artifact store root")
     models.add_argument("--model", default="ctr", help="model name (export.model_name)")
     actions = models.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="every version, the champion marked")
@@ -222,9 +222,9 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as err:  # a failed flow: one line, not a traceback
         print(f"recforge: error: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
-    from tasks.store import read_text
+    from artifacts.locations import read_text_or_none
 
-    record = json.loads(read_text(path) or "{}")
+    record = json.loads(read_text_or_none(path) or "{}")
     metrics = ", ".join(
         f"{k}={v:.4f}" for k, v in record["metrics"].items() if isinstance(v, float)
     )
@@ -237,7 +237,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from tasks.registry import Registry
+    from artifacts.registry import Registry
 
     registry = Registry(args.root, args.model)
     if args.action == "list":
@@ -299,7 +299,7 @@ def task_runner(workers: int | None, dask: str | None):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from data_prep.errors import ConfigError
+    from artifacts.errors import ConfigError
     from data_prep.synthetic import generate_logs
     from flows.config import load_config
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from artifacts.errors import ConfigError
 from data_prep.drift import DriftConfig
-from data_prep.errors import ConfigError
 from data_prep.ingest import IngestConfig
 from data_prep.preprocess import PreprocessConfig
 from data_prep.schema import SchemaConfig

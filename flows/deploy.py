@@ -15,8 +15,8 @@ from pathlib import Path
 import prefect
 import yaml
 
-from data_prep.errors import ConfigError
-from tasks.store import is_remote
+from artifacts.errors import ConfigError
+from artifacts.locations import is_remote
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRYPOINTS = {"pipeline": "flows/pipeline.py:pipeline", "rerun": "flows/pipeline.py:rerun"}

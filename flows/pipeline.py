@@ -1,19 +1,19 @@
 """The recforge pipeline flow: six stages from raw logs to an exported model.
 
 Where each stage's code is: the flow calls one task per stage, and each task calls its
-library entry (CTR models under `training.ctr`, sequence models under `training.sequence`,
-picked by `train.model`; `training.sequence.registry` maps a sequence model's name to its
-pieces):
+library entry. `training.stages` is the only module that knows the model families: it
+sends CTR models to `training.ctr` and sequence models to `training.sequence`, picked by
+`train.model`:
 
 | stage | task | library entry |
 |---|---|---|
 | ingest | `tasks.ingest.ingest_task` | `data_prep.ingest.ingest_logs` (`data_prep.ingest.ingest_file` per file) |
 | preprocess | `tasks.preprocess.preprocess_task` | `data_prep.preprocess.preprocess_events` |
 | shard | `tasks.shard.shard_task` | `data_prep.shard.write_shards` (`data_prep.shard.write_shards_distributed` for an object-store root) |
-| train | `tasks.train.train_task` | `training.ctr.train.train_model`, `training.sequence.train.train_sequence_model` |
-| evaluate | `tasks.evaluate.evaluate_task` | `training.ctr.evaluate.evaluate_model`, `training.sequence.evaluate.evaluate_sequence_model` |
-| export | `tasks.export.export_task` | `training.ctr.export.export_model`, `training.sequence.export.export_sequence_model`, `training.sequence.bst_export.export_bst_model` |
-| bless, promote | `tasks.promote.bless_task`, `tasks.promote.promote_task` | `training.blessing.decide` |
+| train | `tasks.train.train_task` | `training.stages.train_launch` (`training.ctr.train.train_model`, `training.sequence.train.train_sequence_model`) |
+| evaluate | `tasks.evaluate.evaluate_task` | `training.stages.evaluate` (`training.ctr.evaluate.evaluate_model`, `training.sequence.evaluate.evaluate_sequence_model`) |
+| export | `tasks.export.export_task` | `training.stages.export` (`training.ctr.export.export_model`, `training.sequence.export.export_sequence_model`, `training.sequence.bst_export.export_bst_model`) |
+| bless, promote | `tasks.promote.bless_task`, `tasks.promote.promote_task` | `training.stages.evaluate` (the champion), `training.blessing.decide` |
 """  # noqa: E501
 
 import time
@@ -25,9 +25,11 @@ from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 from pydantic import BaseModel, Field
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError, StoreUnreachable
+from artifacts.locations import is_remote
+from artifacts.store import DEFAULT_ROOT, STAGES, ArtifactStore, Stage
 from flows.config import PipelineConfig, load_config
-from tasks.common import STAGES, Mode, Stage, StageOutput
+from tasks.common import Mode, StageOutput
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
 from tasks.ingest import ingest_task
@@ -36,7 +38,6 @@ from tasks.preprocess import preprocess_task
 from tasks.promote import bless_task, promote_task
 from tasks.report import publish_run_artifacts
 from tasks.shard import shard_task
-from tasks.store import ArtifactStore, StoreUnreachable, is_remote
 from tasks.train import train_task
 
 
@@ -45,7 +46,7 @@ class RunParams(BaseModel):
 
     config: str = Field(description="Pipeline YAML, e.g. configs/demo.yaml.")
     root: str = Field(
-        default="artifacts",
+        default=DEFAULT_ROOT,
         description="Artifact store root: a directory, or an fsspec URL such as s3://bucket/prefix.",
     )
     from_stage: Stage | None = Field(
@@ -110,7 +111,7 @@ def _run_name() -> str:
 @flow(name="recforge-pipeline", flow_run_name=_run_name, log_prints=True)
 def pipeline(
     config: str,
-    root: str = "artifacts",
+    root: str = DEFAULT_ROOT,
     from_stage: Stage | None = None,
     only: list[Stage] | None = None,
     force: list[Stage] | None = None,
@@ -149,7 +150,7 @@ def pipeline(
 def rerun(
     config: str,
     stage: Stage,
-    root: str = "artifacts",
+    root: str = DEFAULT_ROOT,
     downstream: bool = True,
     overrides: list[str] | None = None,
 ) -> str:
@@ -180,7 +181,7 @@ def rerun(
 
 def run_pipeline(params: RunParams) -> str:
     """The body of both flows: plan, the six stages, the gate, the run record."""
-    root = params.root
+    store = ArtifactStore(params.root)  # the one store object of this run
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{str(runtime.flow_run.id or uuid.uuid4())[:8]}"
     outputs: dict[str, StageOutput] = {}
     promotion: dict = {}
@@ -189,9 +190,9 @@ def run_pipeline(params: RunParams) -> str:
     config: PipelineConfig | None = None
     try:
         config = load_config(params.config, params.overrides)
-        plans = plan_task(config, plan_modes(params), root)
+        plans = plan_task(config, plan_modes(params), store)
         check_plan(plans)
-        run_stages(config, plans, root, outputs)
+        run_stages(config, plans, store, outputs)
         promotion = bless_task(
             config.bless,
             config.evaluate,
@@ -201,10 +202,10 @@ def run_pipeline(params: RunParams) -> str:
             outputs["export"],
             outputs["shard"],
             outputs["preprocess"],
-            root,
+            store,
         )
         if promotion["status"] == "blessed":
-            promotion = _promote(config, promotion, root)
+            promotion = _promote(config, promotion, store)
     except BaseException as err:  # recorded in the run record, then re-raised
         error = err
     failed_at = None
@@ -216,9 +217,9 @@ def run_pipeline(params: RunParams) -> str:
         raise error
     record = build_run_record(run_id, params, outputs, error, failed_at)
     record["promotion"] = promotion
-    path = ArtifactStore(root).write_run_record(run_id, record)
+    path = store.write_run_record(run_id, record)
     if config is not None and plans:
-        record_bases(config, root, plans, outputs)
+        record_bases(config, store, plans, outputs)
     publish_run_artifacts(record, path, params)
     print(f"run record: {path}")
     if error is not None:
@@ -227,7 +228,10 @@ def run_pipeline(params: RunParams) -> str:
 
 
 def run_stages(
-    config: PipelineConfig, plans: list[StagePlan], root: str, outputs: dict[str, StageOutput]
+    config: PipelineConfig,
+    plans: list[StagePlan],
+    store: ArtifactStore,
+    outputs: dict[str, StageOutput],
 ) -> None:
     """The six stage tasks in order, each in its planned mode; fills `outputs` as they end."""
     modes = {p.stage: p.mode for p in plans}
@@ -237,7 +241,7 @@ def run_stages(
             config.schema_,
             config.drift,
             config.name,
-            root,
+            store,
             modes["ingest"],
             return_state=True,
         )
@@ -247,20 +251,20 @@ def run_stages(
             config.preprocess,
             config.schema_,
             outputs["ingest"],
-            root,
+            store,
             modes["preprocess"],
             return_state=True,
         )
     )
     outputs["shard"] = _result(
-        shard_task(config.shard, outputs["preprocess"], root, modes["shard"], return_state=True)
+        shard_task(config.shard, outputs["preprocess"], store, modes["shard"], return_state=True)
     )
     outputs["train"] = _result(
         train_task(
             config.train,
             outputs["shard"],
             outputs["preprocess"],
-            root,
+            store,
             modes["train"],
             return_state=True,
         )
@@ -272,7 +276,7 @@ def run_stages(
             outputs["train"],
             outputs["shard"],
             outputs["preprocess"],
-            root,
+            store,
             modes["evaluate"],
             return_state=True,
         )
@@ -286,7 +290,7 @@ def run_stages(
             outputs["preprocess"],
             outputs["shard"],
             outputs["evaluate"],
-            root,
+            store,
             modes["export"],
             ingest=outputs["ingest"],
             return_state=True,
@@ -294,7 +298,7 @@ def run_stages(
     )
 
 
-def _promote(config: PipelineConfig, blessed: dict, root: str) -> dict:
+def _promote(config: PipelineConfig, blessed: dict, store: ArtifactStore) -> dict:
     """Ask for approval when configured, then move the champion pointer."""
     if config.bless.require_approval:
         try:
@@ -312,7 +316,7 @@ def _promote(config: PipelineConfig, blessed: dict, root: str) -> dict:
             return {**blessed, "status": "not_approved", "approval": answer.note}
         blessed = {**blessed, "approval": answer.note or "approved"}
     reason = blessed.get("approval") or "blessed by the gate"
-    promote_task(config.export.model_name, blessed["version"], root, reason)
+    promote_task(config.export.model_name, blessed["version"], store, reason)
     return {**blessed, "status": "promoted", "champion": blessed["version"]}
 
 

@@ -11,7 +11,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,25 +21,18 @@ from prefect.states import Completed, State
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
-from data_prep.errors import DeterministicError, InputNotFoundError, TransientError
-from tasks.store import (
+from artifacts.errors import CorruptOutput, DeterministicError, InputNotFoundError, TransientError
+from artifacts.fingerprint import code_version, fingerprint, module_closure
+from artifacts.locations import filesystem, is_remote, join, remove_tree
+from artifacts.store import (
     ArtifactStore,
-    CorruptOutput,
+    Stage,
     check_remote_output,
-    code_version,
     describe_object,
-    filesystem,
-    fingerprint,
-    is_remote,
-    join_url,
     materialize,
-    module_closure,
     remote_manifest,
-    remove_tree,
 )
 
-Stage = Literal["ingest", "preprocess", "shard", "train", "evaluate", "export"]
-STAGES: tuple[Stage, ...] = ("ingest", "preprocess", "shard", "train", "evaluate", "export")
 Mode = Literal["auto", "force", "reuse", "skip"]
 """auto: reuse a verified output, else run; force: run; reuse: the output must
 exist (an upstream stage of --from/--only); skip: do nothing (downstream of --only)."""
@@ -101,7 +94,7 @@ def run_stage(
     stage: Stage,
     fp: str,
     mode: Mode,
-    root: str,
+    store: ArtifactStore,
     produce: Callable[[Path], dict[str, Any]],
 ) -> StageOutput:
     """Reuse or produce one stage output.
@@ -110,7 +103,7 @@ def run_stage(
         stage: the stage name.
         fp: its fingerprint.
         mode: see ``Mode``.
-        root: the artifact store root.
+        store: the artifact store.
         produce: writes the output into the given staging directory and returns
             metadata for the manifest and the run record.
 
@@ -122,7 +115,6 @@ def run_stage(
         DeterministicError: from ``produce``; the partial output is kept under
             ``<root>/failed`` and named in the message.
     """
-    store = ArtifactStore(root)
     final = store.output_url(stage, fp)
     reused = _reuse(stage, fp, mode, store)
     if reused is not None:
@@ -179,7 +171,7 @@ def run_stage_at(
     stage: Stage,
     fp: str,
     mode: Mode,
-    root: str,
+    store: ArtifactStore,
     produce: Callable[[Path | str], dict[str, Any]],
 ) -> StageOutput:
     """`run_stage` for a data stage whose work runs on the task runner, maybe elsewhere.
@@ -195,9 +187,8 @@ def run_stage_at(
         DeterministicError: from ``produce``; the partial objects are kept unpublished at
             the data prefix, named in the message.
     """
-    store = ArtifactStore(root)
     if not store.remote:
-        return run_stage(stage, fp, mode, root, produce)
+        return run_stage(stage, fp, mode, store, produce)
     reused = _reuse(stage, fp, mode, store)
     if reused is not None:
         return reused
@@ -231,7 +222,7 @@ def _written_objects(data: str) -> list[str]:
     fs, path = filesystem(data)
     fs.invalidate_cache(path)
     prefix = path.rstrip("/") + "/"
-    return [join_url(data, name.removeprefix(prefix)) for name in sorted(fs.find(path))]
+    return [join(data, name.removeprefix(prefix)) for name in sorted(fs.find(path))]
 
 
 def _describe_nth(urls: list[str], index: int) -> dict:
@@ -262,7 +253,7 @@ def data_location(output: StageOutput) -> Path | str:
             f"the {output.stage} output {output.output} has changed since it was published: "
             f"{problem}. Run it again with --force {output.stage}"
         )
-    return join_url(output.output, manifest.get("data", ""))
+    return join(output.output, manifest.get("data", ""))
 
 
 def local_dir(output: StageOutput) -> Path:
@@ -277,6 +268,26 @@ def local_dir(output: StageOutput) -> Path:
         InputNotFoundError: The output is not published (deleted since it was made).
     """
     return materialize(output.output)
+
+
+def upstream_dirs(*outputs: StageOutput | None) -> Callable[[str], Path]:
+    """`training.stages.Upstream` over these outputs: a stage name -> its local directory.
+
+    Each output is fetched on first use only (`local_dir`: for a remote root, one verified
+    download per machine), so a model family pays for no output it does not read.
+
+    Raises:
+        KeyError: A stage whose output was not given (names it).
+    """
+    by_stage = {output.stage: output for output in outputs if output is not None}
+
+    @cache
+    def local(stage: str) -> Path:
+        if stage not in by_stage:
+            raise KeyError(f"the {stage} output was not passed to this task; pass it")
+        return local_dir(by_stage[stage])
+
+    return local
 
 
 def as_state(output: StageOutput) -> StageOutput | State:

@@ -7,9 +7,11 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.context import FlowRunContext
 
-from data_prep import locations
+from artifacts import locations
+from artifacts.errors import ConfigError, DataError, StoreUnreachable
+from artifacts.locations import Location, as_location, is_remote, join, read_text_or_none
+from artifacts.store import DATA_STAGES, ArtifactStore, remote_manifest
 from data_prep.drift import DriftConfig, compare_stats, compute_stats
-from data_prep.errors import ConfigError, DataError
 from data_prep.ingest import (
     FileReport,
     Format,
@@ -24,7 +26,6 @@ from data_prep.ingest import (
     quarantine_replayed_file,
     resolve_inputs,
 )
-from data_prep.locations import Location, as_location, is_url, join
 from data_prep.schema import SchemaConfig
 from tasks.common import (
     Mode,
@@ -36,14 +37,6 @@ from tasks.common import (
     task_options,
 )
 from tasks.progress import terminal_progress
-from tasks.store import (
-    ArtifactStore,
-    StoreUnreachable,
-    is_remote,
-    join_url,
-    read_text,
-    remote_manifest,
-)
 
 STATS_FILE = "stats.json"
 
@@ -51,9 +44,13 @@ STATS_FILE = "stats.json"
 def ingest_section(
     config: IngestConfig, schema: SchemaConfig, drift: DriftConfig, inputs: list[dict]
 ) -> dict:
-    """What ingest's fingerprint covers: its settings and the raw files (describe_inputs)."""
+    """What ingest's fingerprint covers: its settings and the raw files' content.
+
+    Not where the files are (`ingest.path`): `inputs` (describe_inputs) names each file
+    relative to it with its sha256, so the same bytes elsewhere hit the cache.
+    """
     return {
-        "ingest": config.model_dump(),
+        "ingest": config.model_dump(exclude={"path"}),
         "schema": schema.model_dump(),
         "drift": drift.model_dump(),
         "inputs": inputs,
@@ -66,15 +63,14 @@ def ingest_task(
     schema: SchemaConfig,
     drift: DriftConfig,
     pipeline: str,
-    root: str,
+    store: ArtifactStore,
     mode: Mode,
 ) -> StageOutput:
     """Validate raw logs into clean events and a quarantine; compare with the last run."""
-    store = ArtifactStore(root)
     cluster = _dask_cluster()
     if store.remote and cluster is not None:
         check_inputs_reachable(config.path, cluster.address)
-        check_workers(cluster.client, root)
+        check_workers(cluster.client, store.url)
     section = ingest_section(config, schema, drift, describe_inputs(config.path, config.format))
     fp = stage_fingerprint("ingest", section, [])
     logger = get_run_logger()
@@ -101,7 +97,7 @@ def ingest_task(
             "drift": findings,
         }
 
-    output = run_stage_at("ingest", fp, mode, root, produce)
+    output = run_stage_at("ingest", fp, mode, store, produce)
     store.record_latest(pipeline, "ingest", output.output)
     meta = output.meta
     rows = [{"reason": "(clean)", "rows": meta["good_rows"]}] + [
@@ -139,7 +135,7 @@ def check_inputs_reachable(path: str, dask_address: str | None) -> None:
     Raises:
         ConfigError: ``ingest.path`` is a local path; the message says where to put it.
     """
-    if dask_address is None or is_url(path):
+    if dask_address is None or is_remote(path):
         return
     raise ConfigError(
         f"ingest.path '{path}' is a path on this machine, which the Dask workers at "
@@ -147,9 +143,6 @@ def check_inputs_reachable(path: str, dask_address: str | None) -> None:
         "this process). Copy the raw logs to object storage (e.g. `aws s3 sync "
         f"{path} s3://BUCKET/raw/`) and pass --set ingest.path=s3://BUCKET/raw/"
     )
-
-
-DATA_STAGES = ("ingest", "preprocess", "shard")
 
 
 def check_workers(client: Any, root: str) -> None:
@@ -216,7 +209,7 @@ def ingest_in_parallel(
     inputs = resolve_inputs(config.path, config.format)
     originals = find_replays([url for url, _ in inputs])
     out_dir = as_location(out_dir)
-    if not is_url(out_dir):
+    if not is_remote(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
     futures = {
         part: read_file_task.submit(config, schema, url, fmt, str(out_dir), part)
@@ -251,7 +244,7 @@ def _check_drift(
     # Only the small stats file is read, not the previous output's events.
     manifest = remote_manifest(previous, strict=False) if is_remote(previous) else None
     data = manifest.get("data", "") if manifest else ""
-    text = read_text(join_url(previous, data, STATS_FILE))
+    text = read_text_or_none(join(previous, data, STATS_FILE))
     if text is None:
         return []
     return compare_stats(json.loads(text), stats, drift).findings

@@ -1,7 +1,7 @@
 """The run plan: which stages will run and which are cache hits, and why, before any runs.
 
-Every stage's fingerprint depends only on the config, the raw inputs' names, sizes and
-stamps, the stage's source files and its upstream fingerprints (DESIGN.md), so the whole
+Every stage's fingerprint depends only on the config, the raw inputs' names and content
+(sha256), the stage's source files and its upstream fingerprints, so the whole
 chain can be computed up front. A stage whose output for its fingerprint is published is
 a cache hit; one without is compared with the basis its last published output of this
 pipeline was made from (`<root>/latest/<pipeline>/plan.json`) to say what changed: which
@@ -20,11 +20,12 @@ from typing import Any, Literal
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from data_prep.errors import InputNotFoundError
+from artifacts.errors import InputNotFoundError
+from artifacts.fingerprint import code_version, fingerprint, library_versions
+from artifacts.store import STAGES, ArtifactStore, Stage
 from data_prep.ingest import describe_inputs
 from tasks import evaluate, ingest, preprocess
-from tasks.common import STAGES, Mode, Stage, StageOutput, stage_modules, task_options
-from tasks.store import ArtifactStore, code_version, fingerprint, library_versions
+from tasks.common import Mode, StageOutput, stage_modules, task_options
 from tasks.train_nodes import check_dispatch
 
 Action = Literal["run", "cached", "skip", "missing"]
@@ -101,20 +102,19 @@ def stage_bases(config: Any) -> dict[Stage, StageBasis]:
     }  # fmt: skip
 
 
-def plan_run(config: Any, modes: dict[Stage, Mode], root: str) -> list[StagePlan]:
+def plan_run(config: Any, modes: dict[Stage, Mode], store: ArtifactStore) -> list[StagePlan]:
     """The plan of a run of `config` under `modes` (from `--from/--only/--force`).
 
     Args:
         config: The pipeline config.
         modes: Each stage's mode (flows.pipeline.plan_modes).
-        root: The artifact store root.
+        store: The artifact store.
 
     Returns:
         One StagePlan per stage, in stage order. `missing` means the stage must be
         reused (it is upstream of `--from/--only`) but has no output for its fingerprint.
     """
     bases = stage_bases(config)
-    store = ArtifactStore(root)
     previous = store.read_latest_json(config.name, PLAN_FILE) or {}
     fps: dict[Stage, str] = {}
     plans = []
@@ -183,14 +183,13 @@ def plan_markdown(pipeline: str, plans: list[StagePlan]) -> str:
 
 
 def record_bases(
-    config: Any, root: str, plans: list[StagePlan], outputs: dict[str, StageOutput]
+    config: Any, store: ArtifactStore, plans: list[StagePlan], outputs: dict[str, StageOutput]
 ) -> Path | str:
     """Remember what each stage's published output was made from, for the next plan.
 
     Only stages whose output now exists for the planned fingerprint (ran or cached) are
     recorded; the others keep their earlier entry.
     """
-    store = ArtifactStore(root)
     bases = stage_bases(config)
     fps = {p.stage: p.fingerprint for p in plans}
     record = store.read_latest_json(config.name, PLAN_FILE) or {}
@@ -245,8 +244,8 @@ def _section_changes(before: dict, now: dict, prefix: str) -> list[str]:
 
 
 def _input_changes(before: list[dict], now: list[dict]) -> list[str]:
-    old = {f["path"]: f for f in before}
-    new = {f["path"]: f for f in now}
+    old = {f.get("name", f.get("path")): f for f in before}
+    new = {f.get("name", f.get("path")): f for f in now}
     changes = [f"raw file added: {p}" for p in sorted(new.keys() - old.keys())]
     changes += [f"raw file removed: {p}" for p in sorted(old.keys() - new.keys())]
     changes += [
@@ -274,7 +273,7 @@ def _short(value: Any) -> str:
 
 
 @task(name="plan", task_run_name="plan", **task_options(retries=0))
-def plan_task(config: Any, modes: dict[Stage, Mode], root: str) -> list[StagePlan]:
+def plan_task(config: Any, modes: dict[Stage, Mode], store: ArtifactStore) -> list[StagePlan]:
     """Plan the run (`plan_run`) and show it as the `plan` Markdown artifact.
 
     A remote root is checked first, once: an unreachable bucket or missing credentials
@@ -285,9 +284,9 @@ def plan_task(config: Any, modes: dict[Stage, Mode], root: str) -> list[StagePla
         ConfigError: train.node_dispatch 'workers' without an object-store root or a
             Prefect server the workers can reach (`tasks.train_nodes.check_dispatch`).
     """
-    ArtifactStore(root).check_reachable()
-    check_dispatch(config.train, root)
-    plans = plan_run(config, modes, root)
+    store.check_reachable()
+    check_dispatch(config.train, store.url)
+    plans = plan_run(config, modes, store)
     markdown = plan_markdown(config.name, plans)
     create_markdown_artifact(
         key="plan", markdown=markdown, description="Which stages run, which are cache hits, why"

@@ -5,7 +5,8 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from data_prep.locations import join
+from artifacts.locations import join
+from artifacts.store import ArtifactStore
 from data_prep.preprocess import PreprocessConfig, preprocess_events
 from data_prep.schema import SchemaConfig
 from tasks.common import (
@@ -28,7 +29,11 @@ def preprocess_section(config: PreprocessConfig, schema: SchemaConfig) -> dict:
 
 @task(name="preprocess", task_run_name="preprocess", **task_options())
 def preprocess_task(
-    config: PreprocessConfig, schema: SchemaConfig, ingest: StageOutput, root: str, mode: Mode
+    config: PreprocessConfig,
+    schema: SchemaConfig,
+    ingest: StageOutput,
+    store: ArtifactStore,
+    mode: Mode,
 ) -> StageOutput:
     """Split clean events, fit the feature transform on train, transform every split."""
     fp = stage_fingerprint("preprocess", preprocess_section(config, schema), [ingest])
@@ -53,7 +58,7 @@ def preprocess_task(
             "sequences": result.sequences,
         }
 
-    output = run_stage_at("preprocess", fp, mode, root, produce)
+    output = run_stage_at("preprocess", fp, mode, store, produce)
     if output.status != "skipped":
         create_table_artifact(
             key="preprocess-summary",

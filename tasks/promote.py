@@ -21,14 +21,14 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from data_prep.errors import DeterministicError
-from tasks.common import StageOutput, local_dir
-from tasks.registry import Registry
-from tasks.store import file_sha256
-from training.blessing import BlessConfig, decide, thresholds_for
-from training.config import SEQUENCE_MODELS, EvaluateConfig
-from training.ctr.evaluate import evaluate_model
-from training.sequence.evaluate import evaluate_sequence_model
+from artifacts.durable import file_sha256
+from artifacts.errors import DeterministicError
+from artifacts.registry import Registry
+from artifacts.store import ArtifactStore
+from tasks.common import StageOutput, local_dir, upstream_dirs
+from training.blessing import BlessConfig, decide
+from training.config import EvaluateConfig
+from training.stages import bless_thresholds, data_stage, evaluate
 
 TRANSFORM = "transform.json"
 CHAMPION_EVALS = "champion-evals"
@@ -57,7 +57,7 @@ def champion_metrics_on(
             "the new model should replace it"
         )
     # Scored once per (champion, test data, evaluate config); kept in the registry.
-    data = shard.fingerprint if model_kind not in SEQUENCE_MODELS else preprocess.fingerprint
+    data = {"shard": shard, "preprocess": preprocess}[data_stage(model_kind)].fingerprint
     key = hashlib.sha256(
         json.dumps([champion, data, config.model_dump(mode="json")], sort_keys=True).encode()
     ).hexdigest()[:16]
@@ -66,23 +66,18 @@ def champion_metrics_on(
         return json.loads(cached.read_text()), f"champion {champion} scored earlier ({cached})"
     with tempfile.TemporaryDirectory(prefix="recforge-champion-") as scratch:
         try:
-            if model_kind in SEQUENCE_MODELS:
-                sequences = local_dir(preprocess) / "sequences"
-                result = evaluate_sequence_model(config, package, sequences, Path(scratch))
-            else:
-                # The package's transform is ours (checked above): slice keys match the
-                # candidate's, so slice thresholds compare the same values.
-                result = evaluate_model(
-                    config,
-                    package,
-                    local_dir(shard),
-                    Path(scratch),
-                    package / TRANSFORM,
-                    env=dict(os.environ),  # for the launcher, when evaluate.workers > 1
-                )
+            # The package's transform is ours (checked above): slice keys match the
+            # candidate's, so slice thresholds compare the same values.
+            metrics = evaluate(
+                config,
+                model_kind,
+                package,
+                upstream_dirs(shard, preprocess),
+                Path(scratch),
+                env=dict(os.environ),  # for the launcher, when evaluate.workers > 1
+            )
         except DeterministicError as error:
             return None, f"champion {champion} could not be scored on this data: {error}"
-        metrics = json.loads(result.metrics_path.read_text())
     cached.parent.mkdir(parents=True, exist_ok=True)
     cached.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics, f"champion {champion} scored on this run's {config.split} split"
@@ -98,7 +93,7 @@ def bless_task(
     export: StageOutput,
     shard: StageOutput,
     preprocess: StageOutput,
-    root: str,
+    store: ArtifactStore,
 ) -> dict[str, Any]:
     """Decide on the exported candidate; the decision goes to the registry and an artifact.
 
@@ -108,7 +103,7 @@ def bless_task(
     """
     if "model" not in export.meta or export.status == "skipped":
         return {"status": "skipped"}
-    registry = Registry(root, model_name)
+    registry = Registry(store, model_name)
     version = Path(export.meta["model"]).name
     champion = registry.champion()
     if champion == version:
@@ -119,7 +114,7 @@ def bless_task(
         champion_metrics, note = champion_metrics_on(
             registry, champion, evaluate_config, model_kind, shard, preprocess
         )
-    thresholds = thresholds_for(config, model_kind in SEQUENCE_MODELS)
+    thresholds = bless_thresholds(config, model_kind)
     decision = decide(thresholds, candidate, champion_metrics, champion is not None)
     registry.record_decision(
         version,
@@ -153,9 +148,11 @@ def bless_task(
 
 
 @task(name="promote", task_run_name="promote", retries=0, persist_result=False)
-def promote_task(model_name: str, version: str, root: str, reason: str) -> dict[str, Any]:
+def promote_task(
+    model_name: str, version: str, store: ArtifactStore, reason: str
+) -> dict[str, Any]:
     """Move CHAMPION to `version` after verifying its package; unchanged on any failure."""
-    record = Registry(root, model_name).promote(version, reason)
+    record = Registry(store, model_name).promote(version, reason)
     get_run_logger().info(
         "%s: champion is now %s (was %s)", model_name, version, record["previous"]
     )

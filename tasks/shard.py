@@ -11,6 +11,8 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
+from artifacts.locations import remove_tree
+from artifacts.store import ArtifactStore
 from data_prep.shard import ShardConfig, write_shards, write_shards_distributed
 from tasks.common import (
     Mode,
@@ -23,11 +25,12 @@ from tasks.common import (
     task_options,
 )
 from tasks.progress import terminal_progress
-from tasks.store import remove_tree
 
 
 @task(name="shard", task_run_name="shard", **task_options())
-def shard_task(config: ShardConfig, preprocess: StageOutput, root: str, mode: Mode) -> StageOutput:
+def shard_task(
+    config: ShardConfig, preprocess: StageOutput, store: ArtifactStore, mode: Mode
+) -> StageOutput:
     """Write balanced, shuffled train/valid/test shards and dataset.json."""
     fp = stage_fingerprint("shard", config.model_dump(), [preprocess])
 
@@ -52,7 +55,7 @@ def shard_task(config: ShardConfig, preprocess: StageOutput, root: str, mode: Mo
                     remove_tree(scratch)
         return {"rows": result.rows, "shards": result.shards}
 
-    output = run_stage_at("shard", fp, mode, root, produce)
+    output = run_stage_at("shard", fp, mode, store, produce)
     if output.status != "skipped":
         create_table_artifact(
             key="shard-stats",

@@ -1,7 +1,7 @@
 """Prefect task for the train stage: launches DeepSpeed ranks as separate processes.
 
 The ranks keep their crash-safe resume checkpoints in a local directory per
-fingerprint (`training.runtime.checkpoint`). With a remote artifact root
+fingerprint (`artifacts.checkpoints`). With a remote artifact root
 (`s3://...`) that directory is mirrored to ``<root>/checkpoints/train/<fp>/``
 (`CheckpointMirror`): before the ranks start, the newest remote checkpoint that
 verifies is downloaded (so a retry on another machine resumes); while they run,
@@ -22,7 +22,9 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from tasks.checkpoint_mirror import CheckpointMirror
+from artifacts.checkpoint_mirror import CheckpointMirror
+from artifacts.locations import remove_tree
+from artifacts.store import ArtifactStore
 from tasks.common import (
     Mode,
     StageOutput,
@@ -30,28 +32,31 @@ from tasks.common import (
     run_stage,
     stage_fingerprint,
     task_options,
+    upstream_dirs,
 )
 from tasks.progress import train_progress
-from tasks.store import ArtifactStore, remove_tree
-from tasks.train_launch import family_launch, log_launcher_line, ssh_launch
-from tasks.train_nodes import PerNodeRun
+from tasks.train_nodes import PerNodeRun, log_launcher_line
 from training.config import TrainConfig
 from training.runtime.files import SUMMARY_FILE
 from training.runtime.launcher import free_port
+from training.stages import ssh_launch, train_launch
 
 
 # A crashed or killed rank is transient: retry after 10 s, 20 s.
 @task(name="train", task_run_name="train", **task_options(backoff_seconds=10.0, retries=2))
 def train_task(
-    config: TrainConfig, shard: StageOutput, preprocess: StageOutput, root: str, mode: Mode
+    config: TrainConfig,
+    shard: StageOutput,
+    preprocess: StageOutput,
+    store: ArtifactStore,
+    mode: Mode,
 ) -> StageOutput:
     """Train the model with DeepSpeed on `config.world_size` ranks.
 
-    CTR models read the shards; sequence models (SASRec) preprocess's sequences/.
+    Which upstream output the model reads is `training.stages.train_launch`'s business.
     """
     fp = stage_fingerprint("train", config.fingerprinted(), [shard, preprocess])
     logger = get_run_logger()
-    store = ArtifactStore(root)
     # For a remote root this is the local mirror of <root>/checkpoints/train/<fp>.
     resume_root = store.root / "checkpoints" / "train" / fp
     mirror = (
@@ -82,11 +87,11 @@ def train_task(
                 )
 
             if config.launcher == "per_node":
-                nodes = PerNodeRun(config, shard, preprocess, root, fp, dict(os.environ), logger)
+                nodes = PerNodeRun(config, shard, preprocess, store, fp, dict(os.environ), logger)
                 result = nodes.run(out_dir, on_progress)
             else:
                 run = partial(
-                    family_launch(config, shard, preprocess),
+                    train_launch(config, upstream_dirs(shard, preprocess)),
                     out_dir,
                     master_port=config.master_port or free_port(),
                     env=dict(os.environ),
@@ -103,7 +108,7 @@ def train_task(
                     with mirror.pushing():
                         result = run()
         update_progress_artifact(progress_id, progress=100.0)
-        # CTR runs split a step into data/lookup/dense/optimizer; pipelines report "step".
+        # The step-time phases are the family's own (data/lookup/dense/optimizer or "step").
         phases = list(history[0]["step_ms"]) if history else []
         rows = "\n".join(
             f"| {r['step']} | {r['loss']:.5f} | {r['samples_per_s']:.0f} | "
@@ -124,7 +129,7 @@ def train_task(
         create_markdown_artifact(
             key="train-memory-plan",
             markdown=result.memory_plan.table(),
-            description="Planned memory per rank (training.ctr.memory)",
+            description="Planned memory per rank (the family's memory plan)",
         )
         if result.resumed_from_step is not None:
             create_markdown_artifact(
@@ -152,11 +157,11 @@ def train_task(
             "samples_per_s": result.samples_per_s,
             "seconds": result.seconds,
             "step_ms": result.step_ms,
-            # Sequence models with train.eval_every_epochs: best step, curve, stop reason.
+            # In-training validation (train.eval_every_epochs): best step, curve, stop reason.
             **({"validation": validation} if validation is not None else {}),
         }
 
-    return as_state(run_stage("train", fp, mode, root, produce))
+    return as_state(run_stage("train", fp, mode, store, produce))
 
 
 def _validation_record(out_dir: Path) -> dict | None:

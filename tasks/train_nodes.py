@@ -42,24 +42,26 @@ from prefect.futures import PrefectFuture, wait
 from prefect.settings import PREFECT_API_URL
 from prefect.states import State
 
-from data_prep.errors import ConfigError, DeterministicError, TrainingCrashed
-from tasks.checkpoint_mirror import CheckpointMirror
-from tasks.common import StageOutput
-from tasks.progress import train_progress
-from tasks.store import (
-    ArtifactStore,
-    describe_files,
-    download_files,
-    is_remote,
-    join_url,
-    read_text,
-    upload_files,
-    write_json,
-)
-from tasks.train_launch import family_launch, log_launcher_line
+from artifacts.checkpoint_mirror import CheckpointMirror
+from artifacts.durable import write_json
+from artifacts.errors import ConfigError, DeterministicError
+from artifacts.locations import download_files, is_remote, join, read_text_or_none, upload_files
+from artifacts.store import ArtifactStore, describe_files
+from tasks.common import StageOutput, upstream_dirs
+from tasks.progress import format_resume_line, train_progress
 from training.config import TrainConfig
+from training.errors import TrainingCrashed
 from training.runtime.hosts import node_hosts, read_hostfile, save_hostfile
-from training.runtime.launcher import NodeLaunch, TrainResult, free_port
+from training.runtime.launcher import (
+    ERROR_PREFIX,
+    RESUME_PREFIX,
+    NodeLaunch,
+    TrainResult,
+    free_port,
+    is_protocol_line,
+    parse_record,
+)
+from training.stages import train_launch
 
 # How often a node looks for the STOP object, and the train task at its node runs.
 POLL_S = 2.0
@@ -89,8 +91,8 @@ class NodeRunSpec:
 
     Attributes:
         config: The train config (launcher 'per_node').
-        shard: The shard stage's output (CTR models' data).
-        preprocess: The preprocess stage's output (sequence models' data).
+        shard: The shard stage's output.
+        preprocess: The preprocess stage's output (the family picks what it reads).
         root: The artifact root (an object-store URL when nodes are other machines).
         fp: The train stage's fingerprint.
         exchange: This attempt's scratch prefix (`<root>/checkpoints/train/<fp>/exchange/<id>`).
@@ -120,7 +122,7 @@ class PerNodeRun:
         config: The train config (launcher 'per_node').
         shard: The shard stage's output.
         preprocess: The preprocess stage's output.
-        root: The artifact root.
+        store: The artifact store.
         fp: The train stage's fingerprint.
         env: The launcher's environment (dispatch 'local'; a worker uses its own).
         logger: The train task's logger.
@@ -131,12 +133,11 @@ class PerNodeRun:
         config: TrainConfig,
         shard: StageOutput,
         preprocess: StageOutput,
-        root: str,
+        store: ArtifactStore,
         fp: str,
         env: dict[str, str],
         logger: Logger,
     ) -> None:
-        store = ArtifactStore(root)
         hosts = (
             read_hostfile(Path(config.hostfile), config.nodes, config.node_ranks())
             if config.hostfile
@@ -146,7 +147,7 @@ class PerNodeRun:
             config=config,
             shard=shard,
             preprocess=preprocess,
-            root=root,
+            root=store.url,
             fp=fp,
             exchange=store.location("checkpoints", "train", fp, "exchange", uuid.uuid4().hex),
             hosts=hosts,
@@ -173,7 +174,9 @@ class PerNodeRun:
 
     def _run_here(self, out_dir: Path, on_progress: Callable[[dict], None]) -> TrainResult:
         """dispatch 'local': every node a task run in a thread of this process."""
-        launch = family_launch(self.spec.config, self.spec.shard, self.spec.preprocess)
+        launch = train_launch(
+            self.spec.config, upstream_dirs(self.spec.shard, self.spec.preprocess)
+        )
         stop = threading.Event()
         futures = [
             train_node_task.submit(
@@ -288,7 +291,7 @@ def run_node(
     )
     watch.start()
     try:
-        reason = read_text(join_url(spec.exchange, STOP_OBJECT))
+        reason = read_text_or_none(join(spec.exchange, STOP_OBJECT))
         if reason is not None:
             raise TrainingCrashed(f"node {index}: not started, the attempt is stopped: {reason}")
         mirror.pull(exact=True)
@@ -351,7 +354,7 @@ def run_worker_node(spec: NodeRunSpec, index: int) -> dict[str, Any]:
             history.append(record)
             shown.on_progress(record)
 
-        launch = family_launch(spec.config, spec.shard, spec.preprocess)
+        launch = train_launch(spec.config, upstream_dirs(spec.shard, spec.preprocess))
         result = run_node(
             spec,
             index,
@@ -380,7 +383,7 @@ def serve_node_worker(index: int) -> None:
 def publish_output(out_dir: Path, exchange: str) -> dict[str, str]:
     """Upload node 0's output under `<exchange>/output`; {file: sha256}."""
     files = {rel: info["sha256"] for rel, info in describe_files(out_dir).items()}
-    upload_files(out_dir, sorted(files), join_url(exchange, OUTPUT_PREFIX))
+    upload_files(out_dir, sorted(files), join(exchange, OUTPUT_PREFIX))
     return files
 
 
@@ -390,12 +393,12 @@ def fetch_output(exchange: str, files: dict[str, str], out_dir: Path) -> None:
     Raises:
         TrainingCrashed: A file differs from what node 0 uploaded (the retry trains again).
     """
-    download_files(join_url(exchange, OUTPUT_PREFIX), sorted(files), out_dir)
+    download_files(join(exchange, OUTPUT_PREFIX), sorted(files), out_dir)
     for rel, expected in files.items():
         digest = hashlib.sha256((out_dir / rel).read_bytes()).hexdigest()
         if digest != expected:
             raise TrainingCrashed(
-                f"{join_url(exchange, OUTPUT_PREFIX, rel)}: sha256 {digest} differs from "
+                f"{join(exchange, OUTPUT_PREFIX, rel)}: sha256 {digest} differs from "
                 f"the {expected} node 0 uploaded"
             )
 
@@ -404,7 +407,7 @@ def request_stop(exchange: str, index: int, error: BaseException) -> None:
     """Tell every node of the attempt to stop (best effort: the store may be the failure)."""
     try:
         write_json(
-            join_url(exchange, STOP_OBJECT),
+            join(exchange, STOP_OBJECT),
             {"node": index, "error": type(error).__name__, "message": str(error)[:2000]},
         )
     except Exception as failure:  # noqa: BLE001 - the node's own error is what matters
@@ -413,10 +416,10 @@ def request_stop(exchange: str, index: int, error: BaseException) -> None:
 
 def _watch_stop(exchange: str, stop: threading.Event, done: threading.Event) -> None:
     """Set `stop` once the attempt's STOP object exists; ends when `done` is set."""
-    location = join_url(exchange, STOP_OBJECT)
+    location = join(exchange, STOP_OBJECT)
     while not done.wait(POLL_S):
         try:
-            if read_text(location) is not None:
+            if read_text_or_none(location) is not None:
                 stop.set()
         except Exception:  # noqa: BLE001, S112 - a store hiccup: look again
             continue
@@ -521,3 +524,22 @@ def check_dispatch(config: TrainConfig, root: str) -> None:
             "Prefect server, but this run uses a temporary one; set PREFECT_API_URL to the "
             "server the `recforge node-worker` processes use"
         )
+
+
+def log_launcher_line(logger: logging.Logger | logging.LoggerAdapter, line: str) -> None:
+    """Log one output line of the launcher or a rank as people read it.
+
+    Ordinary output goes on as it is. The ranks' machine records do not: progress records
+    reach people through `TrainProgress` (the launcher parses them for `on_progress`), a
+    resume record becomes a sentence, an error record a warning (the stage's error names
+    it again). The launcher log keeps every line as it came.
+    """
+    if not is_protocol_line(line):
+        logger.info(line)
+        return
+    resume = parse_record(line, RESUME_PREFIX)
+    if resume is not None:
+        logger.info(format_resume_line(resume))
+    error = parse_record(line, ERROR_PREFIX)
+    if error is not None:
+        logger.warning("train rank %s failed: %s", error.get("rank"), error.get("error"))

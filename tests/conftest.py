@@ -17,6 +17,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # imported, so this process and every subprocess use the session's own.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="recforge-tests-prefect-home-")
 atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
+# The local side of remote roots and the raw-input digests the tests compute go to the
+# session's own cache directory, not ~/.cache/recforge (tests that need another set it).
+os.environ["RECFORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="recforge-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["RECFORGE_CACHE_DIR"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "datasets"

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 
 SEQUENCE_MODELS = ("sasrec", "bst")
 

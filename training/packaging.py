@@ -36,7 +36,8 @@ import onnxruntime
 import torch
 from torch import nn
 
-from data_prep.errors import InputNotFoundError, ParityError
+from artifacts.errors import InputNotFoundError
+from training.errors import ParityError
 from training.runtime.files import MODEL_CONFIG_FILE, WEIGHTS_FILE
 
 PARITY_SPLIT = "test"

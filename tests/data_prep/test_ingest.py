@@ -6,7 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.errors import DataError, InputNotFoundError, SchemaError
+from artifacts.errors import DataError, InputNotFoundError
+from data_prep.errors import SchemaError
 from data_prep.ingest import (
     IngestConfig,
     _parse_numbers,
@@ -137,7 +138,10 @@ def test_resolve_skips_metadata_and_finds_globs(tmp_path):
     names = [p for p, _ in resolve_inputs(str(tmp_path / "d" / "*.csv"))]
     assert [n.rsplit("/", 1)[1] for n in names] == ["part-0.csv", "part-1.csv"]
     described = describe_inputs(str(tmp_path / "d" / "*.csv"))
-    assert all(d["size"] > 0 and d["stamp"] for d in described)
+    # Named relative to the glob's directory, keyed by content: not by path or mtime.
+    assert [d["name"] for d in described] == ["part-0.csv", "part-1.csv"]
+    assert all(d["size"] > 0 and len(d["sha256"]) == 64 for d in described)
+    assert described[0]["sha256"] == described[1]["sha256"]  # the same bytes
 
 
 def test_reads_from_an_fsspec_url(schema, tmp_path):

@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from artifacts.errors import ConfigError, DataError
 from data_prep import preprocess
-from data_prep.errors import ConfigError, DataError
 from data_prep.preprocess import TEST, TRAIN, PreprocessConfig, preprocess_events
 from data_prep.schema import SchemaConfig
 

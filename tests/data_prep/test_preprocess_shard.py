@@ -5,8 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from artifacts.errors import ConfigError, DataError
 from data_prep import shard
-from data_prep.errors import ConfigError, DataError
 from data_prep.preprocess import PreprocessConfig, preprocess_events
 from data_prep.schema import SchemaConfig
 from data_prep.shard import ShardConfig, shard_name, write_shards

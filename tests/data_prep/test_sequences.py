@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.errors import DataError
+from artifacts.errors import DataError
 from data_prep.sequences import build_sequences
 
 

@@ -7,8 +7,8 @@ from functools import partial
 import fsspec
 import pytest
 
-from data_prep.errors import ConfigError
-from data_prep.locations import join, list_files, read_bytes
+from artifacts.errors import ConfigError
+from artifacts.locations import join, list_files, read_bytes
 from data_prep.preprocess import PreprocessConfig, ordered_map, preprocess_events
 from data_prep.shard import ShardConfig, write_shards, write_shards_distributed
 from tests.data_prep.test_preprocess_shard import write_events
@@ -80,7 +80,7 @@ def test_shards_over_urls_are_byte_identical_to_the_in_process_shuffle(
 
 
 def test_distributed_shard_names_the_missing_input(tmp_path):
-    from data_prep.errors import InputNotFoundError
+    from artifacts.errors import InputNotFoundError
 
     url = f"memory://recforge-{uuid.uuid4().hex[:8]}"
     fsspec.filesystem("memory").pipe(f"{url}/pre/transform.json", b"{}")

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from data_prep.preprocess import (
     SPLIT_HISTOGRAM_BINS,
     PreprocessConfig,

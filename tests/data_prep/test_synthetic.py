@@ -15,8 +15,8 @@ import pytest
 from pydantic import ValidationError
 from sklearn.metrics import roc_auc_score
 
+from artifacts.errors import ConfigError
 from data_prep import synthetic
-from data_prep.errors import ConfigError
 from data_prep.synthetic import COLUMNS, SCHEMA, GenerateConfig, GenerateResult, generate_logs
 
 DAY = 86_400

@@ -9,10 +9,10 @@ import numpy as np
 import pyarrow.csv as pv
 import pytest
 
+from artifacts.registry import Registry
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
 from flows.pipeline import RunParams, pipeline
-from tasks.registry import Registry
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from artifacts.store import CHAOS_PUBLISH_FAULT, ArtifactStore
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
-from tasks.store import CHAOS_PUBLISH_FAULT, ArtifactStore
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")

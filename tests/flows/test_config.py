@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from flows.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,18 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.errors import StoreUnreachable
+from artifacts.locations import CACHE_DIR_ENV, filesystem, read_text_or_none
+from artifacts.store import MANIFEST, materialize, remote_manifest
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
 from tasks.ingest import check_workers
-from tasks.store import (
-    CACHE_DIR_ENV,
-    MANIFEST,
-    StoreUnreachable,
-    filesystem,
-    materialize,
-    read_text,
-    remote_manifest,
-)
 
 distributed = pytest.importorskip("distributed")
 pytest.importorskip("prefect_dask")
@@ -272,7 +266,7 @@ def test_dask_workers_without_the_flows_disk_write_the_thread_runners_shards(
         )
         reports = client.run(_report)
 
-    dask_record = json.loads(read_text(url))
+    dask_record = json.loads(read_text_or_none(url))
     assert [dask_record["stages"][s]["status"] for s in DATA_STAGES] == ["ran"] * 3
     local_files, local_manifest = shard_files(local_root, local_record)
     dask_files, dask_manifest = shard_files(s3_root, dask_record)
@@ -290,7 +284,7 @@ def test_dask_workers_without_the_flows_disk_write_the_thread_runners_shards(
     again = pipeline.with_options(task_runner=ThreadPoolTaskRunner(max_workers=2))(
         config=TINY, root=s3_root, only=["shard"], overrides=overrides
     )
-    again_record = json.loads(read_text(again))
+    again_record = json.loads(read_text_or_none(again))
     assert [again_record["stages"][s]["status"] for s in DATA_STAGES] == ["cached"] * 2 + ["ran"]
     assert shard_files(s3_root, again_record)[0] == local_files
     # The train stage's way in: a sha256-checked local copy of the published shards.

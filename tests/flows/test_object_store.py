@@ -17,22 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.checkpoint_mirror import CheckpointMirror
+from artifacts.checkpoints import CheckpointStore
+from artifacts.errors import CorruptOutput, StoreUnreachable
+from artifacts.locations import CACHE_DIR_ENV, filesystem, read_text_or_none
+from artifacts.registry import CHAMPION, ChampionMoved, Registry
+from artifacts.store import CHAOS_PUBLISH_FAULT, MANIFEST, ArtifactStore, materialize
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
-from tasks.checkpoint_mirror import CheckpointMirror
-from tasks.registry import CHAMPION, ChampionMoved, Registry
-from tasks.store import (
-    CACHE_DIR_ENV,
-    CHAOS_PUBLISH_FAULT,
-    MANIFEST,
-    ArtifactStore,
-    CorruptOutput,
-    StoreUnreachable,
-    filesystem,
-    materialize,
-    read_text,
-)
-from training.runtime.checkpoint import CheckpointStore
 
 s3fs = pytest.importorskip("s3fs", reason="pip install -e '.[s3]'")
 
@@ -88,7 +80,7 @@ def test_publish_uploads_files_then_the_manifest_and_a_reader_trusts_only_that(
     url = store.output_url("ingest", FP)
     data = manifest["data"]
     assert objects(url) == [MANIFEST, f"{data}/a.txt", f"{data}/d/b.bin"]
-    assert json.loads(read_text(f"{url}/{MANIFEST}")) == manifest
+    assert json.loads(read_text_or_none(f"{url}/{MANIFEST}")) == manifest
     assert store.verify("ingest", FP)[0]["meta"] == {"k": 1}  # a cache hit, no download
 
     # Another machine (an empty cache) materializes the output, sha256-checked.
@@ -105,7 +97,7 @@ def test_publish_uploads_files_then_the_manifest_and_a_reader_trusts_only_that(
 
     # Killed after the files, before the manifest: the old output stays the only one.
     script = (
-        "import sys; from pathlib import Path; from tasks.store import ArtifactStore\n"
+        "import sys; from pathlib import Path; from artifacts.store import ArtifactStore\n"
         "store = ArtifactStore(sys.argv[1]); staging = store.new_staging('ingest', '0' * 64)\n"
         "(staging / 'a.txt').write_text('torn'); store.publish('ingest', '0' * 64, staging, {})\n"
     )
@@ -208,7 +200,7 @@ def test_of_two_concurrent_promotions_exactly_one_wins(
     assert len(registry.history()) == 2  # the losers left no trace
     assert registry.rollback()["version"] == registry.history()[0]["version"]
     if where == "s3":
-        assert read_text(f"{registry.url}/{CHAMPION}") is not None
+        assert read_text_or_none(f"{registry.url}/{CHAMPION}") is not None
         assert sorted(v.name for v in registry.versions()) == ["v1", "v2", "v3", "v4"]
 
 
@@ -373,7 +365,7 @@ def test_tiny_pipeline_on_s3_killed_in_train_resumes_from_s3_then_is_all_cached(
     assert second.returncode == 0, (out + err)[-3000:]
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"{s3_root}/runs/") and last.endswith("/summary.json")
-    record = json.loads(read_text(last))
+    record = json.loads(read_text_or_none(last))
     stages = record["stages"]
     assert [stages[s]["status"] for s in ("ingest", "preprocess", "shard")] == ["cached"] * 3
     assert stages["train"]["status"] == "ran" and stages["train"]["resumed_from_step"] == in_s3
@@ -389,7 +381,7 @@ def test_tiny_pipeline_on_s3_killed_in_train_resumes_from_s3_then_is_all_cached(
     third = recforge_run(s3_root, raw, s3_environment(moto_endpoint, tmp_path / "machine-three"))
     out, err = third.communicate(timeout=600)
     assert third.returncode == 0, (out + err)[-3000:]
-    again = json.loads(read_text(out.strip().splitlines()[-1]))
+    again = json.loads(read_text_or_none(out.strip().splitlines()[-1]))
     assert [info["status"] for info in again["stages"].values()] == ["cached"] * 6
     assert again["metrics"] == record["metrics"] and again["model"] == record["model"]
 

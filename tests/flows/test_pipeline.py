@@ -11,11 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep.errors import InputNotFoundError, SchemaError
+from artifacts.errors import CorruptOutput, InputNotFoundError
+from artifacts.store import ArtifactStore
+from data_prep.errors import SchemaError
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
 from flows.pipeline import RunParams, pipeline
-from tasks.store import CorruptOutput
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -109,7 +110,10 @@ def test_the_plan_says_what_will_run_and_why_before_anything_runs(first_run, raw
     root, record = first_run
     overrides = [f"ingest.path={raw_dir}", "train.lr=0.02"]
     params = RunParams(config=TINY, root=str(root), overrides=overrides, force=["shard"])
-    plans = {p.stage: p for p in plan_run(load_config(TINY, overrides), plan_modes(params), root)}
+    plans = {
+        p.stage: p
+        for p in plan_run(load_config(TINY, overrides), plan_modes(params), ArtifactStore(root))
+    }
     assert [plans[s].action for s in STAGES] == ["cached", "cached", "run", "run", "run", "run"]
     assert plans["shard"].reason.startswith("selected")
     # Against the basis of the train output last published (an earlier test's lr, or tiny's).
@@ -285,7 +289,7 @@ def test_all_malformed_rows_fail_once_and_keep_quarantine(prefect_server, tmp_pa
 
 
 def test_drift_against_the_previous_run_warns_or_fails_by_policy(first_run, tmp_path):
-    from data_prep.errors import DataError
+    from artifacts.errors import DataError
 
     root, _ = first_run
     drifted = tmp_path / "raw"

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 from prefect.settings import PREFECT_API_URL
 
+from artifacts.locations import CACHE_DIR_ENV, read_text_or_none
+from artifacts.store import materialize
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
-from tasks.store import CACHE_DIR_ENV, materialize, read_text
 from tests.flows.test_object_store import (  # noqa: F401 - s3_root is a fixture
     committed_in_s3,
     objects,
@@ -119,7 +120,7 @@ def test_two_nodes_killed_one_resume_both_from_s3_and_train_the_one_node_model(
     assert run.returncode == 0, (out + err)[-3000:]
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"{s3_root}/runs/") and last.endswith("/summary.json")
-    record = json.loads(read_text(last))
+    record = json.loads(read_text_or_none(last))
     train = record["stages"]["train"]
     assert train["status"] == "ran"
     # The retry resumed both nodes from a checkpoint in S3 (the newest, or a newer one
@@ -176,7 +177,7 @@ def test_node_runs_go_to_each_nodes_task_worker_and_train_the_one_node_model(
             os.killpg(worker.pid, signal.SIGTERM)
         for worker in workers:
             worker.wait(timeout=60)
-    record = json.loads(read_text(out.strip().splitlines()[-1]))
+    record = json.loads(read_text_or_none(out.strip().splitlines()[-1]))
     train = record["stages"]["train"]
     assert train["status"] == "ran"
     assert weights_sha256(record) == weights_sha256(reference)

@@ -1,9 +1,11 @@
 import pytest
 from prefect.states import Failed
 
-from data_prep.errors import ConfigError, InputNotFoundError, SchemaError, TrainingCrashed
+from artifacts.errors import ConfigError, InputNotFoundError
+from data_prep.errors import SchemaError
 from flows.pipeline import RunParams, plan_modes
 from tasks.common import should_retry
+from training.errors import TrainingCrashed
 
 
 @pytest.mark.parametrize(

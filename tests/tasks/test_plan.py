@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from data_prep.errors import InputNotFoundError
+from artifacts.errors import InputNotFoundError
+from artifacts.store import MANIFEST, STAGES, ArtifactStore
 from flows.config import load_config
 from flows.pipeline import RunParams, plan_modes
-from tasks.common import STAGES, StageOutput
+from tasks.common import StageOutput
 from tasks.plan import check_plan, plan_markdown, plan_run, record_bases
 from tasks.report import failure_markdown
-from tasks.store import MANIFEST, ArtifactStore
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -42,7 +42,7 @@ def publish_all(root: Path, plans) -> dict[str, StageOutput]:
 def plan(raw: Path, root: Path, *overrides: str, **selection):
     config = load_config(TINY, [f"ingest.path={raw}", *overrides])
     params = RunParams(config=TINY, root=str(root), **selection)
-    return config, {p.stage: p for p in plan_run(config, plan_modes(params), str(root))}
+    return config, {p.stage: p for p in plan_run(config, plan_modes(params), ArtifactStore(root))}
 
 
 def test_a_first_plan_runs_everything_then_everything_is_a_cache_hit(raw, tmp_path):
@@ -50,7 +50,9 @@ def test_a_first_plan_runs_everything_then_everything_is_a_cache_hit(raw, tmp_pa
     config, plans = plan(raw, root)
     assert [plans[s].action for s in STAGES] == ["run"] * 6
     assert plans["ingest"].reason == "no earlier output of this pipeline at this root"
-    record_bases(config, str(root), list(plans.values()), publish_all(root, plans.values()))
+    record_bases(
+        config, ArtifactStore(root), list(plans.values()), publish_all(root, plans.values())
+    )
     _, again = plan(raw, root)
     assert [again[s].action for s in STAGES] == ["cached"] * 6
     assert {s: p.fingerprint for s, p in again.items()} == {
@@ -61,7 +63,9 @@ def test_a_first_plan_runs_everything_then_everything_is_a_cache_hit(raw, tmp_pa
 def test_the_plan_names_what_changed(raw, tmp_path):
     root = tmp_path / "art"
     config, plans = plan(raw, root)
-    record_bases(config, str(root), list(plans.values()), publish_all(root, plans.values()))
+    record_bases(
+        config, ArtifactStore(root), list(plans.values()), publish_all(root, plans.values())
+    )
 
     _, changed = plan(raw, root, "train.lr=0.5", "evaluate.calibration_bins=7")
     assert [changed[s].action for s in STAGES] == ["cached"] * 3 + ["run"] * 3
@@ -75,7 +79,7 @@ def test_the_plan_names_what_changed(raw, tmp_path):
     (raw / "c.csv").write_text("ts,user_id\n1,2\n")
     _, more = plan(raw, root)
     assert more["ingest"].action == "run"
-    assert more["ingest"].changes == [f"raw file added: {raw / 'c.csv'}"]
+    assert more["ingest"].changes == ["raw file added: c.csv"]
     assert more["preprocess"].changes == ["upstream ingest changed"]
     markdown = plan_markdown("tiny", list(more.values()))
     assert "| ingest | **run** |" in markdown and "raw file added" in markdown
@@ -92,7 +96,9 @@ def test_selection_modes_and_a_missing_upstream_output(raw, tmp_path):
     assert forced["shard"].reason.startswith("selected")
     # Deleting a published output: the plan says so.
     config, plans = plan(raw, root)
-    record_bases(config, str(root), list(plans.values()), publish_all(root, plans.values()))
+    record_bases(
+        config, ArtifactStore(root), list(plans.values()), publish_all(root, plans.values())
+    )
     (ArtifactStore(root).output_dir("shard", plans["shard"].fingerprint) / MANIFEST).unlink()
     _, again = plan(raw, root)
     assert again["shard"].action == "run" and "deleted" in again["shard"].reason
@@ -102,7 +108,7 @@ def test_selection_modes_and_a_missing_upstream_output(raw, tmp_path):
 def test_a_missing_input_path_fails_the_plan(tmp_path):
     config = load_config(TINY, [f"ingest.path={tmp_path / 'none'}"])
     with pytest.raises(InputNotFoundError, match="does not exist"):
-        plan_run(config, plan_modes(RunParams(config=TINY)), str(tmp_path))
+        plan_run(config, plan_modes(RunParams(config=TINY)), ArtifactStore(tmp_path))
 
 
 def test_the_failure_artifact_says_how_to_rerun_from_the_failed_stage():
@@ -125,3 +131,102 @@ def test_the_failure_artifact_says_how_to_rerun_from_the_failed_stage():
     )
     assert "before any stage ran" in before and "--from" not in before
     assert "prefect deployment" not in before
+
+
+# Each stage -> the stages whose fingerprints include it (itself and everything after).
+DOWNSTREAM = {
+    "ingest": set(STAGES),
+    "preprocess": {"preprocess", "shard", "train", "evaluate", "export"},
+    "shard": {"shard", "train", "evaluate", "export"},
+    "train": {"train", "evaluate", "export"},
+    "evaluate": {"evaluate", "export"},
+    "export": {"export"},
+}
+
+
+@pytest.fixture
+def source_copy(tmp_path, monkeypatch) -> Path:
+    """A copy of the first-party packages that the plan fingerprints the code from."""
+    import shutil
+
+    import tasks.common
+    import tasks.plan
+    from artifacts.fingerprint import FIRST_PARTY
+
+    copy = tmp_path / "src"
+    for package in FIRST_PARTY:
+        shutil.copytree(
+            REPO / package, copy / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    monkeypatch.setattr(tasks.common, "_ROOT", copy)
+    monkeypatch.setattr(tasks.plan, "_ROOT", copy)
+    return copy
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_editing_a_stages_task_module_reruns_it_and_only_what_follows(
+    stage, raw, tmp_path, source_copy
+):
+    root = tmp_path / "art"
+    config, plans = plan(raw, root)
+    record_bases(
+        config, ArtifactStore(root), list(plans.values()), publish_all(root, plans.values())
+    )
+    task_module = source_copy / "tasks" / f"{stage}.py"
+    task_module.write_text(task_module.read_text() + "\n# how the task calls its library\n")
+    _, again = plan(raw, root)
+    rerun = {s for s in STAGES if again[s].action == "run"}
+    assert rerun == DOWNSTREAM[stage]
+    assert {s for s in STAGES if again[s].action == "cached"} == set(STAGES) - rerun
+    assert any(f"tasks/{stage}.py" in change for change in again[stage].changes)
+
+
+@pytest.mark.parametrize(
+    ("module", "first"),
+    [
+        ("artifacts/locations.py", "ingest"),  # every stage reads and writes through it
+        ("training/stages.py", "train"),  # the family dispatch: train, evaluate, export
+        ("training/ctr/export.py", "export"),
+    ],
+)
+def test_editing_a_library_module_reruns_the_first_stage_that_runs_it(
+    module, first, raw, tmp_path, source_copy
+):
+    root = tmp_path / "art"
+    config, plans = plan(raw, root)
+    record_bases(
+        config, ArtifactStore(root), list(plans.values()), publish_all(root, plans.values())
+    )
+    path = source_copy / module
+    path.write_text(path.read_text() + "\n# edited\n")
+    _, again = plan(raw, root)
+    assert {s for s in STAGES if again[s].action == "run"} == DOWNSTREAM[first]
+
+
+def test_raw_input_is_keyed_by_content_not_by_path_or_mtime(raw, tmp_path):
+    import os
+    import shutil
+
+    root = tmp_path / "art"
+    config, plans = plan(raw, root)
+    record_bases(
+        config, ArtifactStore(root), list(plans.values()), publish_all(root, plans.values())
+    )
+    # The same bytes at another path: every stage is a cache hit.
+    moved = tmp_path / "elsewhere" / "raw"
+    shutil.copytree(raw, moved)
+    _, copied = plan(moved, root)
+    assert [copied[s].action for s in STAGES] == ["cached"] * 6
+    # Touched (a new mtime, same bytes): still cached.
+    stat = (raw / "a.csv").stat()
+    os.utime(raw / "a.csv", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**10))
+    _, touched = plan(raw, root)
+    assert [touched[s].action for s in STAGES] == ["cached"] * 6
+    # One byte changed, same size, the mtime put back: ingest and everything after run.
+    stat = (raw / "a.csv").stat()
+    (raw / "a.csv").write_text("ts,user_id\n1,3\n")
+    os.utime(raw / "a.csv", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (raw / "a.csv").stat().st_mtime_ns == stat.st_mtime_ns
+    _, changed = plan(raw, root)
+    assert [changed[s].action for s in STAGES] == ["run"] * 6
+    assert changed["ingest"].changes == ["raw file rewritten: a.csv"]

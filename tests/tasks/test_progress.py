@@ -16,7 +16,7 @@ from tasks.progress import (
     terminal_progress,
     train_progress,
 )
-from tasks.train_launch import log_launcher_line
+from tasks.train_nodes import log_launcher_line
 
 
 class FakeClock:

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from data_prep.errors import InputNotFoundError, ParityError
+from artifacts.errors import InputNotFoundError
+from training.errors import ParityError
 from training.packaging import (
     ExportResult,
     Parity,

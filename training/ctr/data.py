@@ -28,7 +28,8 @@ import pyarrow.parquet as pq
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from data_prep.errors import ConfigError, InputNotFoundError, SchemaError
+from artifacts.errors import ConfigError, InputNotFoundError
+from data_prep.errors import SchemaError
 
 DATASET_FILE = "dataset.json"
 

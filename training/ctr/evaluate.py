@@ -72,10 +72,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from data_prep.errors import (
-    ConfigError,
-    SchemaError,
-)
+from artifacts.errors import ConfigError
+from data_prep.errors import SchemaError
 from data_prep.transform import hash_strings, load_transform
 from training.config import EvaluateConfig
 from training.ctr.data import (

@@ -48,7 +48,8 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from data_prep.errors import ConfigError, InputNotFoundError, ParityError, SchemaError
+from artifacts.errors import ConfigError, InputNotFoundError
+from data_prep.errors import SchemaError
 from data_prep.transform import TransformApplier, load_transform
 from training.config import ExportConfig
 from training.ctr.data import DatasetMeta, iter_tables, load_dataset_meta, model_columns, to_batch
@@ -62,6 +63,7 @@ from training.ctr.package import (
     with_unseen_records,
     write_scorer,
 )
+from training.errors import ParityError
 from training.packaging import (
     MODEL_CARD_FILE,
     PARITY_SPLIT,

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from training.config import TrainConfig
 from training.runtime.memory import (
     CHUNK_BYTES,

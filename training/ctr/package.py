@@ -29,9 +29,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from data_prep.errors import DataError, ParityError
+from artifacts.errors import DataError
 from data_prep.transform import TransformApplier
 from training.ctr.data import DatasetMeta, iter_tables, model_columns
+from training.errors import ParityError
 
 SCORER_FILE = "score.py"
 # The scorer ships as the package's own file, so the module is named, not imported (the

@@ -46,7 +46,8 @@ from types import TracebackType
 
 import pyarrow as pa
 
-from data_prep.errors import ConfigError, InputNotFoundError, SchemaError
+from artifacts.errors import ConfigError, InputNotFoundError
+from data_prep.errors import SchemaError
 from training.ctr.data import (
     DATASET_FILE,
     Batch,

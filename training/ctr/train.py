@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from training.config import TrainConfig
 from training.ctr.data import DatasetMeta, load_dataset_meta
 from training.ctr.memory import check_memory, plan_memory
@@ -120,7 +120,7 @@ def train_model(
             planner when `train.memory_per_rank_gb` (GiB) is unset; on CPU it is taken
             to be this machine's memory split over the ranks. None skips the check then.
         checkpoint_root: Where `train.checkpoint_every` checkpoints go (see
-            `training.runtime.checkpoint`); a call with the same root and config resumes from
+            `artifacts.checkpoints`); a call with the same root and config resumes from
             the newest valid one. Pass a directory that outlives `out_dir` (the train
             task uses one per fingerprint) so that a retry resumes. Default
             `out_dir / "resume"`.

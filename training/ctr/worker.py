@@ -16,7 +16,7 @@ Writes, into the spec's `out_dir`:
   the run resumed from (rank 0);
 
 and, with `train.checkpoint_every`, crash-safe resume checkpoints under the spec's
-`checkpoint_root` (see `save_resume_checkpoint`, `training.runtime.checkpoint`): at start the
+`checkpoint_root` (see `save_resume_checkpoint`, `artifacts.checkpoints`): at start the
 ranks continue from the newest valid one, on the same or another world size.
 
 Embeddings: with `train.embeddings: sharded` the table lives in a `ShardedEmbedding`
@@ -57,7 +57,8 @@ import torch.nn.functional as F
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from safetensors.torch import load_file, save_file
 
-from data_prep.errors import ConfigError, Preempted
+from artifacts.checkpoints import CheckpointStore
+from artifacts.errors import ConfigError
 from training.config import TrainConfig
 from training.ctr.consolidate import TABLE_NAME, table_chunks
 from training.ctr.data import Batch, load_dataset_meta
@@ -65,7 +66,7 @@ from training.ctr.embedding import ShardedEmbedding, init_rows, reshard_state, t
 from training.ctr.model import build_arch, build_model
 from training.ctr.reader import ShardReader
 from training.ctr.train import PHASES, TRAIN_SPLIT
-from training.runtime.checkpoint import CheckpointStore
+from training.errors import Preempted
 from training.runtime.consolidate import (
     CHUNK_BYTES,
     chunk_rows_for,

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from artifacts.durable import replace_file
 from training.runtime.memory import CHUNK_BYTES, FP32_BYTES
 
 _HEADER_ALIGN = 8  # safetensors pads its header so the data starts 8-byte aligned
@@ -156,14 +156,7 @@ def finish_file(path: Path, layout: Layout) -> None:
     size = partial.stat().st_size
     if size != layout.size:
         raise RuntimeError(f"{partial} is {size} bytes, its layout says {layout.size}")
-    with open(partial, "rb") as file:
-        os.fsync(file.fileno())
-    os.replace(partial, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    replace_file(partial, path)
 
 
 def write_pieces(

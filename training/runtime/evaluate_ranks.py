@@ -32,7 +32,7 @@ import deepspeed
 import torch
 import torch.distributed as torch_dist
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from training.runtime.files import RANKS_DIR
 from training.runtime.launcher import (
     evaluate_chaos_settings,

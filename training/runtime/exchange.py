@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from data_prep.errors import DataError
+from artifacts.errors import DataError
 
 
 class NodeExchange:

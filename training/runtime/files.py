@@ -54,7 +54,7 @@ MODEL_CONFIG_FILE = "model_config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-# The artifact store's manifest of a published stage output (`tasks.store`): the sha256
+# The artifact store's manifest of a published stage output (`artifacts.store`): the sha256
 # of every file, written last.
 OUTPUT_MANIFEST = "_manifest.json"
 

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from data_prep.errors import ConfigError, InputNotFoundError
+from artifacts.errors import ConfigError, InputNotFoundError
 
 # DeepSpeed's format: "hostname slots=N", comments with '#'.
 _LINE = re.compile(r"(\S+)\s+slots=(\d+)")

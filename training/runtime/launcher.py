@@ -21,16 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data_prep.errors import (
+from artifacts.errors import (
     ConfigError,
     DataError,
     DeterministicError,
     InputNotFoundError,
-    Preempted,
-    SchemaError,
-    TrainingCrashed,
     TransientError,
 )
+from data_prep.errors import SchemaError
+from training.errors import Preempted, TrainingCrashed
 from training.runtime.files import (
     LAUNCH_FILE,
     LAUNCHER_LOG_FILE,
@@ -89,7 +88,7 @@ SHM_DIR = Path("/dev/shm")
 # this process's environment) into the launch spec's "chaos"; unset in real runs.
 # "POINT@STEP": rank 0 SIGKILLs its launch while saving the checkpoint of step STEP, at
 # POINT: "mid-file" (DeepSpeed's files written, the ranks' own not yet) or one of
-# `training.runtime.checkpoint.FAULT_POINTS`.
+# `artifacts.checkpoints.FAULT_POINTS`.
 CHAOS_CHECKPOINT_FAULT = "RECFORGE_CHAOS_CHECKPOINT_FAULT"
 
 

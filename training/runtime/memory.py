@@ -7,9 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from data_prep.errors import (
-    ConfigError,
-)
+from artifacts.errors import ConfigError
 
 
 def plan_record(plan: MemoryPlan) -> dict[str, Any]:

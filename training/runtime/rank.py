@@ -24,14 +24,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from data_prep.errors import ConfigError
-from training.runtime.checkpoint import (
-    FAULT_POINTS,
-    MANIFEST,
-    CheckpointCorrupt,
-    CheckpointStore,
-    fsync_tree,
-)
+from artifacts.checkpoints import FAULT_POINTS, MANIFEST, CheckpointCorrupt, CheckpointStore
+from artifacts.durable import fsync_tree
+from artifacts.errors import ConfigError
 from training.runtime.exchange import NodeExchange
 from training.runtime.launcher import (
     CHAOS_CHECKPOINT_FAULT,

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from training.sequence.sasrec import (
     PADDING_ITEM,
     TIED_KEY,

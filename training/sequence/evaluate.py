@@ -56,7 +56,8 @@ import numpy as np
 import pyarrow.parquet as pq
 from torch import nn
 
-from data_prep.errors import InputNotFoundError, SchemaError, TransientError
+from artifacts.errors import InputNotFoundError, TransientError
+from data_prep.errors import SchemaError
 from training.config import EvaluateConfig
 from training.runtime.evaluate_ranks import RankLaunch, launch_and_collect
 from training.runtime.files import RANKS_DIR

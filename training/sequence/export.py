@@ -41,7 +41,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from data_prep.errors import ConfigError, InputNotFoundError, SchemaError
+from artifacts.errors import ConfigError, InputNotFoundError
+from data_prep.errors import SchemaError
 from training.config import ExportConfig
 from training.packaging import (
     MODEL_CARD_FILE,

@@ -78,9 +78,10 @@ from deepspeed.runtime.utils import set_random_seed
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
-from data_prep.errors import ConfigError, Preempted
+from artifacts.checkpoints import MANIFEST, CheckpointStore
+from artifacts.errors import ConfigError
 from training.config import TrainConfig
-from training.runtime.checkpoint import MANIFEST, CheckpointStore
+from training.errors import Preempted
 from training.runtime.consolidate import create_file, finish_file, plan_layout, write_dense
 from training.runtime.exchange import NodeExchange
 from training.runtime.launcher import RESUME_PREFIX
@@ -158,7 +159,7 @@ class PipelineSpec(BaseModel):
     )
     checkpoint_root: Path | None = Field(
         default=None,
-        description="Resume checkpoints' directory (training.runtime.checkpoint); needed "
+        description="Resume checkpoints' directory (artifacts.checkpoints); needed "
         "by train.checkpoint_every.",
     )
     config_fingerprint: str = Field(

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from data_prep.errors import DataError
+from artifacts.errors import DataError
 from training.sequence.bst import BST, score_candidates
 from training.sequence.sasrec import SASRec
 

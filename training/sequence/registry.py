@@ -21,7 +21,7 @@ import torch
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from training.runtime.deepspeed_config import AdamSettings
 from training.sequence.bst import (
     bst_activation_shape,

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 
 PADDING_ITEM = 0
 TIED_KEY = "item_embedding"

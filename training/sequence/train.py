@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import pyarrow.parquet as pq
 
-from data_prep.errors import ConfigError, InputNotFoundError
+from artifacts.errors import ConfigError, InputNotFoundError
 from training.config import TrainConfig
 from training.runtime.deepspeed_config import build_deepspeed_config
 from training.runtime.files import (

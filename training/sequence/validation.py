@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +34,8 @@ import torch.distributed
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from artifacts.durable import write_json_atomic
 from training.config import EvaluateConfig, TrainConfig
-from training.runtime.checkpoint import fsync_tree
 from training.sequence.evaluate import SplitInputs, rank_blocks, rank_rows
 from training.sequence.ranking import metrics_from_ranks
 
@@ -182,12 +181,7 @@ def write_curve(root: Path, curve: list[dict[str, float]], metric: str) -> None:
         curve: [{"step", "epoch", "value"}] in step order.
         metric: The metric the values are of.
     """
-    path = root / CURVE_FILE
-    partial = path.with_name(CURVE_FILE + ".tmp")
-    partial.write_text(json.dumps({"metric": metric, "curve": curve}, indent=2) + "\n")
-    fsync_tree(partial)
-    os.replace(partial, path)
-    fsync_tree(path)  # the rename's directory entry
+    write_json_atomic(root / CURVE_FILE, {"metric": metric, "curve": curve})
 
 
 def rank_valid_split(

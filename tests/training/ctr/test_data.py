@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from data_prep.errors import ConfigError, InputNotFoundError, SchemaError
+from artifacts.errors import ConfigError, InputNotFoundError
+from data_prep.errors import SchemaError
 from training.ctr.data import (
     DatasetMeta,
     iter_tables,

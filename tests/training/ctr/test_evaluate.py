@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from sklearn.calibration import calibration_curve
 from sklearn.metrics import log_loss, roc_auc_score
 
-from data_prep.errors import ConfigError, InputNotFoundError, SchemaError, TransientError
+from artifacts.errors import ConfigError, InputNotFoundError, TransientError
+from data_prep.errors import SchemaError
 from tasks.common import StageOutput, stage_fingerprint, stage_modules
 from tasks.evaluate import evaluate_section
 from training.config import EvaluateConfig

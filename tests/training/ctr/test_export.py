@@ -9,10 +9,11 @@ import onnxruntime
 import pytest
 import torch
 
-from data_prep.errors import InputNotFoundError, ParityError
+from artifacts.errors import InputNotFoundError
 from training.config import ExportConfig
 from training.ctr.export import export_model
 from training.ctr.model import load_model
+from training.errors import ParityError
 
 # Scores the package with onnxruntime and numpy only, in a fresh interpreter, and fails
 # if anything from this repository got imported on the way.

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from training.config import TrainConfig
 from training.ctr.memory import check_memory, plan_memory
 from training.runtime.memory import (

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from data_prep.errors import ConfigError, DataError, InputNotFoundError, ParityError
+from artifacts.errors import ConfigError, DataError, InputNotFoundError
 from data_prep.ingest import IngestConfig, ingest_logs
 from data_prep.preprocess import PreprocessConfig, preprocess_events
 from data_prep.schema import FieldSpec, SchemaConfig
@@ -45,6 +45,7 @@ from training.ctr.package import (
     raw_test_records,
     with_unseen_records,
 )
+from training.errors import ParityError
 
 RECFORGE = ("training", "data_prep", "tasks", "flows")
 TEST_ROWS, UNSEEN = 120, 9

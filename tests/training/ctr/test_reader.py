@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import training.ctr.reader
-from data_prep.errors import ConfigError, InputNotFoundError, SchemaError
+from artifacts.errors import ConfigError, InputNotFoundError
+from data_prep.errors import SchemaError
 from training.ctr.data import Batch, DatasetMeta, load_dataset_meta, rank_slices, to_batch
 from training.ctr.reader import ShardReader, measure_throughput, steps_per_epoch, stream_slices
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data_prep.errors import ConfigError, Preempted, TrainingCrashed
+from artifacts.checkpoints import MANIFEST, CheckpointStore
+from artifacts.errors import ConfigError
 from training.config import TrainConfig
 from training.ctr.train import train_model
-from training.runtime.checkpoint import MANIFEST, CheckpointStore
+from training.errors import Preempted, TrainingCrashed
 from training.runtime.files import RANKS_FILE
 from training.runtime.launcher import CHAOS_CHECKPOINT_FAULT, CHAOS_SKIP_RESTORE
 

@@ -13,13 +13,14 @@ import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from safetensors.torch import load_file
 
-from data_prep.errors import ConfigError, InputNotFoundError, TrainingCrashed
+from artifacts.errors import ConfigError, InputNotFoundError
 from training.config import EvaluateConfig, TrainConfig
 from training.ctr.data import load_dataset_meta
 from training.ctr.embedding import init_rows
 from training.ctr.evaluate import evaluate_model
 from training.ctr.model import build_model
 from training.ctr.train import plan_total_steps, train_model
+from training.errors import TrainingCrashed
 from training.runtime.deepspeed_config import build_deepspeed_config
 from training.runtime.launcher import (
     CHAOS_CONSOLIDATION_CHUNK_ROWS,

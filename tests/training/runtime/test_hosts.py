@@ -6,13 +6,13 @@ import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from pydantic import ValidationError
 
-from data_prep.errors import ConfigError, InputNotFoundError
-from tasks.train_launch import memory_budget, ssh_launch
+from artifacts.errors import ConfigError, InputNotFoundError
 from tasks.train_nodes import check_dispatch, node_task
 from training.config import TrainConfig
 from training.runtime.hosts import check_ssh_hosts, node_hosts, read_hostfile, save_hostfile
 from training.runtime.launcher import NodeLaunch, free_port, launcher_command
 from training.runtime.memory import machine_memory_bytes
+from training.stages import memory_budget, ssh_launch
 
 
 def test_ranks_per_node_gives_the_world_size_and_where_fields_leave_the_cache_key() -> None:

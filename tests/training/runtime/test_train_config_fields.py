@@ -27,11 +27,11 @@ import pytest
 from pydantic import ValidationError
 
 import tasks.train
-import tasks.train_launch
 import tasks.train_nodes
 import training.ctr.worker
 import training.sequence.pipeline_worker
-from data_prep.errors import ConfigError, InputNotFoundError
+import training.stages
+from artifacts.errors import ConfigError, InputNotFoundError
 from tests.training.conftest import write_shards
 from training.config import WHERE_FIELDS, TrainConfig
 from training.ctr.train import plan_ctr_run
@@ -220,7 +220,7 @@ def test_a_field_reaches_the_ranks_or_is_refused(
         read = {"ranks_per_node": "node_ranks()", "node_pickup_timeout_s": "pickup_timeout_s()"}
         sources = "".join(
             inspect.getsource(module)
-            for module in (tasks.train, tasks.train_launch, tasks.train_nodes)
+            for module in (tasks.train, training.stages, tasks.train_nodes)
         )
         assert f"config.{read.get(field, field)}" in sources, f"train.{field} is read by nobody"
         return

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from sklearn.metrics import roc_auc_score
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from training.sequence.bst import (
     BST,
     bst_batch,

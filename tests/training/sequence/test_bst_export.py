@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from data_prep.errors import ParityError, SchemaError
+from data_prep.errors import SchemaError
 from training.config import ExportConfig
+from training.errors import ParityError
 from training.packaging import ExportResult
 from training.sequence import bst_export
 from training.sequence.bst import BST, score_candidates

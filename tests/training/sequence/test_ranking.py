@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from data_prep.errors import DataError
+from artifacts.errors import DataError
 from training.sequence import ranking
 from training.sequence.ranking import (
     UNRANKED,

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from data_prep.errors import InputNotFoundError, SchemaError, TransientError
+from artifacts.errors import InputNotFoundError, TransientError
+from data_prep.errors import SchemaError
 from training.config import EvaluateConfig
 from training.runtime.files import RANKS_DIR
 from training.runtime.launcher import CHAOS_KILL_RANK

@@ -10,8 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from data_prep.errors import ConfigError, InputNotFoundError, ParityError, SchemaError
+from artifacts.errors import ConfigError, InputNotFoundError
+from data_prep.errors import SchemaError
 from training.config import ExportConfig
+from training.errors import ParityError
 from training.packaging import ExportResult
 from training.sequence import export as sequence_export
 from training.sequence.export import (

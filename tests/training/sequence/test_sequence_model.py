@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data_prep.errors import ConfigError
+from artifacts.errors import ConfigError
 from training.config import TrainConfig, check_pipeline_config
 from training.runtime.consolidate import create_file, finish_file, plan_layout, write_dense
 from training.sequence.pipeline_worker import (

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data_prep.errors import ConfigError, Preempted, TrainingCrashed
+from artifacts.errors import ConfigError
 from training.config import TrainConfig
+from training.errors import Preempted, TrainingCrashed
 from training.runtime.files import RANKS_FILE
 from training.runtime.launcher import launch_ranks, launcher_command
 from training.sequence.train import build_pipeline_spec, sequence_model_config

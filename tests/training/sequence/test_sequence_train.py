@@ -5,7 +5,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from data_prep.errors import ConfigError, InputNotFoundError
+from artifacts.errors import ConfigError, InputNotFoundError
 from training.config import SEQUENCE_MODELS, TrainConfig
 from training.sequence.bst import BST
 from training.sequence.registry import SEQUENCE_MODEL_REGISTRY, sequence_model

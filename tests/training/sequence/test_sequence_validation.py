@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from data_prep.errors import TrainingCrashed
 from training.config import EvaluateConfig, TrainConfig
+from training.errors import TrainingCrashed
 from training.runtime.files import RANKS_FILE
 from training.runtime.hosts import node_hosts, save_hostfile
 from training.runtime.launcher import NodeLaunch

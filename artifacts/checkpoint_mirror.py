@@ -1,6 +1,6 @@
 """Mirror a train run's resume checkpoints between the ranks' local root and object storage.
 
-The ranks always write crash-safe checkpoints locally (`training.runtime.checkpoint`);
+The ranks always write crash-safe checkpoints locally (`artifacts.checkpoints`);
 with an object-store artifact root the train task pulls the newest remote checkpoint
 that verifies before they start, and uploads each committed one while they run, so a
 retry on another machine resumes from the store. Object storage has no rename: a remote
@@ -15,16 +15,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tasks.store import (
+from artifacts.checkpoints import MANIFEST, CheckpointStore, checkpoint_name, parse_step
+from artifacts.locations import (
     backend_errors,
     download_files,
     filesystem,
-    join_url,
-    read_text,
+    join,
+    read_text_or_none,
     remove_tree,
     upload_files,
 )
-from training.runtime.checkpoint import MANIFEST, CheckpointStore, checkpoint_name, parse_step
 
 # How often the mirror looks for newly committed checkpoints to upload.
 MIRROR_EVERY_S = 1.0
@@ -94,7 +94,7 @@ class CheckpointMirror:
         scratch = self.local_root / ".staging" / "pull" / name
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
-        text = read_text(join_url(self._remote(step), MANIFEST)) or ""
+        text = read_text_or_none(join(self._remote(step), MANIFEST)) or ""
         try:
             files = list(json.loads(text)["files"])
         except (json.JSONDecodeError, KeyError, TypeError):
@@ -178,7 +178,7 @@ class CheckpointMirror:
         remove_tree(self.url)
 
     def _remote(self, step: int) -> str:
-        return join_url(self.url, checkpoint_name(step))
+        return join(self.url, checkpoint_name(step))
 
     def _local_steps(self) -> list[int]:
         """Steps committed locally (a step directory holding its manifest)."""
@@ -224,7 +224,7 @@ class CheckpointMirror:
 
     def _pinned(self, step: int) -> set[int]:
         """The steps checkpoint `step`'s meta pins against retention."""
-        text = read_text(join_url(self._remote(step), MANIFEST)) or "{}"
+        text = read_text_or_none(join(self._remote(step), MANIFEST)) or "{}"
         try:
             return {int(s) for s in json.loads(text).get("meta", {}).get("pinned", [])}
         except (ValueError, TypeError, AttributeError):

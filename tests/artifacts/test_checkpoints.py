@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from data_prep.errors import ConfigError, DataError, InputNotFoundError
-from training.runtime.checkpoint import (
+from artifacts.checkpoints import (
     FAULT_POINTS,
     MANIFEST,
     CheckpointCorrupt,
     CheckpointExists,
     CheckpointStore,
     checkpoint_name,
-    fsync_tree,
     parse_step,
 )
+from artifacts.durable import fsync_tree
+from artifacts.errors import ConfigError, DataError, InputNotFoundError
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = "model/weights.bin"
 
 
@@ -307,7 +307,7 @@ def test_the_latest_pointer_is_only_a_hint(
 RANK_SCRIPT = """
 import sys
 from pathlib import Path
-from training.runtime.checkpoint import fsync_tree
+from artifacts.durable import fsync_tree
 
 staging, rank = Path(sys.argv[1]), int(sys.argv[2])
 (staging / "shared").mkdir(exist_ok=True)
@@ -346,7 +346,8 @@ CRASH_SCRIPT = """
 import os
 import sys
 from pathlib import Path
-from training.runtime.checkpoint import CheckpointStore, fsync_tree
+from artifacts.checkpoints import CheckpointStore
+from artifacts.durable import fsync_tree
 
 root, point, step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 

@@ -46,7 +46,6 @@ Reads and writes only under `root`; no Prefect, no torch, no environment.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -59,7 +58,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from data_prep.errors import ConfigError, DataError, InputNotFoundError
+from artifacts.durable import file_sha256, fsync_dir
+from artifacts.errors import ConfigError, DataError, InputNotFoundError
 
 MANIFEST = "_manifest.json"
 POINTER = "latest"
@@ -137,35 +137,6 @@ def parse_step(name: str) -> int | None:
     step = int(match.group(1))
     # "step-100" or "step-000000100" are not ours: only the exact spelling counts.
     return step if checkpoint_name(step) == name else None
-
-
-def fsync_tree(paths: Path | Iterable[Path]) -> None:
-    """Flush files and directories to stable storage.
-
-    A file is fsynced together with its parent directory (so its directory entry
-    survives a power loss); a directory is fsynced with everything below it.
-
-    Args:
-        paths: A file or directory, or several.
-
-    Raises:
-        InputNotFoundError: If a path does not exist.
-        OSError: If the filesystem fails an fsync.
-    """
-    for path in [paths] if isinstance(paths, str | os.PathLike) else list(paths):
-        path = Path(path)
-        if path.is_dir():
-            for directory, _, files in os.walk(path):
-                for name in files:
-                    _fsync_file(Path(directory) / name)
-                _fsync_dir(Path(directory))
-        elif path.exists():
-            _fsync_file(path)
-            _fsync_dir(path.parent)
-        else:
-            raise InputNotFoundError(
-                f"cannot fsync {path}: it does not exist; pass the files this rank wrote"
-            )
 
 
 class CheckpointStore:
@@ -278,7 +249,7 @@ class CheckpointStore:
             self._discard(target, fault_point=None)
         staging = self.staging_dir(step)
         staging.mkdir()
-        _fsync_dir(staging_root)
+        fsync_dir(staging_root)
         return staging
 
     def commit(self, step: int, meta: dict[str, Any]) -> Path:
@@ -344,11 +315,11 @@ class CheckpointStore:
             handle.write(data[half:])
             handle.flush()
             os.fsync(handle.fileno())
-        _fsync_dir(staging)
+        fsync_dir(staging)
         self._point("before-rename")
 
         os.rename(staging, target)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self._point("before-pointer")
 
         pointer_tmp = self.root / (POINTER + ".tmp")
@@ -358,7 +329,7 @@ class CheckpointStore:
             os.fsync(handle.fileno())
         self._point("mid-pointer")
         os.replace(pointer_tmp, self.root / POINTER)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self._point("before-retention")
 
         newer = [s for s, _ in self._committed() if s > step]
@@ -472,7 +443,7 @@ class CheckpointStore:
         if trash.exists():
             _remove(trash)
         os.rename(path, trash)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         if fault_point is not None:
             self._point(fault_point)
         shutil.rmtree(trash)
@@ -537,7 +508,7 @@ def _check(path: Path, hashes: bool) -> tuple[dict[str, Any] | None, str | None]
         size = file.stat().st_size
         if size != entry["size"]:
             return None, f"size of {rel} is {size} bytes, {MANIFEST} says {entry['size']}"
-        if hashes and _sha256(file) != entry["sha256"]:
+        if hashes and file_sha256(file) != entry["sha256"]:
             return None, f"sha256 of {rel} does not match {MANIFEST} (corrupted bytes)"
     return manifest, None
 
@@ -565,37 +536,8 @@ def _hash_tree(staging: Path) -> dict[str, dict[str, Any]]:
                 digest = hashlib.file_digest(handle, "sha256").hexdigest()
                 os.fsync(handle.fileno())
             files[rel] = {"size": file.stat().st_size, "sha256": digest}
-        _fsync_dir(Path(directory))
+        fsync_dir(Path(directory))
     return dict(sorted(files.items()))
-
-
-def _sha256(file: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    with open(file, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    """fsync one file (read-only open is enough on Linux to flush its dirty pages)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    """fsync a directory so the entries created or renamed in it are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as err:
-        # Some filesystems (FUSE mounts, a few network ones) cannot fsync a
-        # directory at all; their renames are as durable as they get.
-        if err.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 def _remove(path: Path) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.common import STAGES
-from tasks.store import LIBRARIES, code_version, library_versions, module_closure
+from artifacts.fingerprint import FIRST_PARTY, code_version, library_versions, module_closure
+from artifacts.store import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 # The modules each stage starts as separate processes (`python -m ...`): a closure that
@@ -27,7 +27,7 @@ def loaded_library_modules(stage: str) -> set[str]:
         "import importlib, json, sys\n"
         f"for name in {imports!r}: importlib.import_module(name)\n"
         "files = [m.__file__ for n, m in list(sys.modules.items())\n"
-        f"         if n.split('.')[0] in {LIBRARIES!r} and getattr(m, '__file__', None)]\n"
+        f"         if n.split('.')[0] in {FIRST_PARTY!r} and getattr(m, '__file__', None)]\n"
         "print(json.dumps(files))\n"
     )
     result = subprocess.run(
@@ -54,7 +54,7 @@ def test_closures_name_the_modules_hand_kept_lists_missed() -> None:
 def test_editing_any_module_of_the_closure_changes_the_code_version(
     stage: str, tmp_path: Path
 ) -> None:
-    for package in (*LIBRARIES, "tasks"):
+    for package in FIRST_PARTY:
         shutil.copytree(
             REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
         )
@@ -76,7 +76,8 @@ def test_library_versions_are_part_of_the_code_version(monkeypatch: pytest.Monke
     versions = library_versions()
     assert set(versions) == {"torch", "deepspeed", "pyarrow"} and all(versions.values())
     monkeypatch.setattr(
-        "tasks.store.library_versions", lambda: {**versions, "torch": versions["torch"] + "+x"}
+        "artifacts.fingerprint.library_versions",
+        lambda: {**versions, "torch": versions["torch"] + "+x"},
     )
     assert code_version(modules, REPO) != before
 
@@ -84,3 +85,27 @@ def test_library_versions_are_part_of_the_code_version(monkeypatch: pytest.Monke
 def test_a_missing_entry_module_is_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tasks.nope"):
         module_closure("tasks.nope", tmp_path)
+
+
+def test_content_digests_are_remembered_per_version_of_a_file(tmp_path: Path) -> None:
+    import hashlib
+    import os
+
+    from artifacts.fingerprint import _version, content_sha256
+
+    memo = tmp_path / "memo"
+    a, b = tmp_path / "a.csv", tmp_path / "elsewhere" / "a.csv"
+    b.parent.mkdir()
+    a.write_bytes(b"ts,user_id\n1,2\n")
+    b.write_bytes(a.read_bytes())
+    expected = hashlib.sha256(a.read_bytes()).hexdigest()
+    assert content_sha256(a, memo) == content_sha256(b, memo) == expected
+    # A remembered digest is used without reading the file: plant one for this version.
+    planted = next(p for p in memo.iterdir() if json.loads(p.read_text())["version"] == _version(a))
+    planted.write_text(json.dumps({"version": _version(a), "sha256": "f" * 64}))
+    assert content_sha256(a, memo) == "f" * 64
+    # New bytes of the same size under the old mtime: ctime moved, so it is hashed again.
+    stat = a.stat()
+    a.write_bytes(b"ts,user_id\n1,3\n")
+    os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert content_sha256(a, memo) == hashlib.sha256(a.read_bytes()).hexdigest() != expected

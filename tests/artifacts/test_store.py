@@ -10,14 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.store import (
-    CHAOS_PUBLISH_FAULT,
-    MANIFEST,
-    PUBLISH_POINTS,
-    ArtifactStore,
-    CorruptOutput,
-    fingerprint,
-)
+from artifacts.errors import CorruptOutput
+from artifacts.fingerprint import fingerprint
+from artifacts.store import CHAOS_PUBLISH_FAULT, MANIFEST, PUBLISH_POINTS, ArtifactStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +79,7 @@ def test_verify_refuses_a_published_output_that_changed(tmp_path):
 PUBLISH_SCRIPT = """
 import sys
 from pathlib import Path
-from tasks.store import ArtifactStore
+from artifacts.store import ArtifactStore
 
 store = ArtifactStore(Path(sys.argv[1]))
 staging = store.new_staging("shard", "f" * 64)
@@ -159,3 +154,13 @@ def test_run_record_and_registry(tmp_path):
     (package / "model.onnx").write_bytes(b"onnx")
     model = store.publish_model("ctr", "abc", package)
     assert (model / "model.onnx").read_bytes() == b"onnx"
+
+
+@pytest.mark.parametrize("root", ["s3:/bucket/x", "s3:bucket/x", "s3://", "gs:///"])
+def test_a_malformed_root_url_is_refused_not_made_a_local_folder(root, tmp_path, monkeypatch):
+    from artifacts.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="artifact root"):
+        ArtifactStore(root)
+    assert list(tmp_path.iterdir()) == []

@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from data_prep.errors import ConfigError, InputNotFoundError
+from artifacts.errors import ConfigError, CorruptOutput, InputNotFoundError
+from artifacts.registry import CHAMPION, INFRA_REPORT, Registry
+from artifacts.store import ArtifactStore
 from flows.cli import main
-from tasks.registry import CHAMPION, INFRA_REPORT, Registry
-from tasks.store import ArtifactStore, CorruptOutput
 
 OK = {"ok": True, "rows": 8}
 

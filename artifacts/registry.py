@@ -7,7 +7,7 @@
 <root>/registry/<model>/decisions/        the blessing decision of every candidate
 ```
 
-The root may be local or an fsspec URL (`s3://bucket/prefix`, see tasks/store.py).
+The root may be local or an fsspec URL (`s3://bucket/prefix`, see artifacts/store.py).
 The pointer is one JSON object replaced whole (a rename locally, one PUT remotely):
 readers see the old or the new champion, never a torn one. It moves only through
 `promote` (which verifies the package first) and `rollback`, by a conditional write
@@ -24,23 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data_prep.errors import ConfigError, DeterministicError, InputNotFoundError
-from tasks.store import (
-    MANIFEST,
-    ArtifactStore,
+from artifacts.durable import read_object, write_json, write_json_if, write_text_if
+from artifacts.errors import (
     ConcurrentUpdate,
+    ConfigError,
     CorruptOutput,
-    check_output_dir,
-    filesystem,
-    join_url,
-    materialize,
-    read_object,
-    read_text,
-    remote_manifest,
-    write_json,
-    write_json_if,
-    write_text_if,
+    DeterministicError,
+    InputNotFoundError,
 )
+from artifacts.locations import filesystem, join, read_text_or_none
+from artifacts.store import MANIFEST, ArtifactStore, check_output_dir, materialize, remote_manifest
 
 CHAMPION = "CHAMPION"
 HISTORY = "history.jsonl"
@@ -73,15 +66,15 @@ class Registry:
         root: Its local directory (for a remote root, the local cache of it).
     """
 
-    def __init__(self, root: str | Path, model_name: str) -> None:
-        store = ArtifactStore(root)
+    def __init__(self, root: ArtifactStore | str | Path, model_name: str) -> None:
+        store = root if isinstance(root, ArtifactStore) else ArtifactStore(root)
         self.remote = store.remote
         self.url = store.location("registry", model_name)
         self.root = store.root / "registry" / model_name
         self.model_name = model_name
 
     def _at(self, *parts: str) -> str:
-        return join_url(self.url, *parts)
+        return join(self.url, *parts)
 
     def versions(self) -> list[Version]:
         """Registered versions, oldest first."""
@@ -158,12 +151,12 @@ class Registry:
         return None if record is None else str(record["version"])
 
     def champion_record(self) -> dict[str, Any] | None:
-        text = read_text(self._at(CHAMPION))
+        text = read_text_or_none(self._at(CHAMPION))
         return None if text is None else json.loads(text)
 
     def history(self) -> list[dict[str, Any]]:
         """Every pointer move, oldest first."""
-        text = read_text(self._at(HISTORY)) or ""
+        text = read_text_or_none(self._at(HISTORY)) or ""
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
     def record_decision(self, version: str, decision: dict[str, Any]) -> Path | str:
@@ -173,7 +166,7 @@ class Registry:
         return location if self.remote else Path(location)
 
     def decision(self, version: str) -> dict[str, Any] | None:
-        text = read_text(self._at(DECISIONS, f"{version}.json"))
+        text = read_text_or_none(self._at(DECISIONS, f"{version}.json"))
         return None if text is None else json.loads(text)
 
     def verify(self, version: str) -> Path:

@@ -1,0 +1,310 @@
+"""Where recforge reads and writes: a local path or an fsspec URL, the one adapter.
+
+Every layer takes *locations*: a ``pathlib.Path`` (or a plain path) on this machine, or
+an object-store URL (``s3://bucket/key``, ``memory://...``). With a URL every read and
+write goes through fsspec, so a worker on another machine needs no shared disk: only
+the URL and its credentials (boto's usual environment for ``s3://``).
+
+A local location keeps pyarrow's own file I/O (the fast path of one machine). Parquet
+and Arrow bytes do not depend on where they are written.
+
+The local side of a remote artifact root (staging, materialized outputs, resume
+checkpoints) lives under ``$RECFORGE_CACHE_DIR`` (default ``~/.cache/recforge``), at
+``<cache>/<protocol>/<bucket>/<prefix>/...`` mirroring the URL (`local_mirror`).
+"""
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from artifacts.errors import ConfigError, StoreUnreachable
+
+# Where the local side of a remote store lives (see the module docstring).
+CACHE_DIR_ENV = "RECFORGE_CACHE_DIR"
+# Object stores whose first path component is a bucket that must exist beforehand.
+BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+# "s3:/bucket" or "s3:bucket": a URL scheme without its "//", which would otherwise be
+# taken for a local directory named "s3:".
+_MALFORMED_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:(?!//)")
+
+Location = str | Path
+
+
+def is_remote(location: Location) -> bool:
+    """Whether ``location`` is an object-store URL (``s3://``, ``gs://``, ...).
+
+    ``file://`` URLs and plain paths are local.
+    """
+    protocol, sep, _ = str(location).partition("://")
+    return bool(sep) and protocol != "file"
+
+
+def as_location(location: Location) -> Location:
+    """A URL as text, anything else as a Path (``file://`` stripped)."""
+    if is_remote(location):
+        return str(location).rstrip("/")
+    return Path(str(location).removeprefix("file://"))
+
+
+def join(location: Location, *parts: str) -> Location:
+    """``location`` with ``parts`` appended: a Path for a path, a URL for a URL."""
+    location = as_location(location)
+    if isinstance(location, Path):
+        return location.joinpath(*parts)
+    return "/".join([location, *(p.strip("/") for p in parts if p)])
+
+
+def base_name(location: Location) -> str:
+    """The last component: ``train-00000-of-00004.parquet``."""
+    return str(location).rstrip("/").rsplit("/", 1)[-1]
+
+
+def list_files(location: Location, suffix: str, recursive: bool = False) -> list[Location]:
+    """Files directly under ``location`` (every level with ``recursive``) ending in ``suffix``.
+
+    Sorted by path (so by name within a directory); none when ``location`` does not exist.
+    """
+    location = as_location(location)
+    if isinstance(location, Path):
+        found = location.rglob(f"*{suffix}") if recursive else location.glob(f"*{suffix}")
+        return sorted(p for p in found if p.is_file())
+    fs, path = filesystem(location)
+    fs.invalidate_cache(path)
+    if not fs.exists(path):
+        return []
+    names = fs.find(path) if recursive else fs.ls(path, detail=False)
+    prefix = location[: len(location) - len(path)] if location.endswith(path) else ""
+    files = sorted(n for n in names if n.endswith(suffix))
+    return [f"{prefix}{n}" if prefix else fs.unstrip_protocol(n) for n in files]
+
+
+def open_parquet(location: Location, **options: Any) -> pq.ParquetFile:
+    """A ``pyarrow.parquet.ParquetFile`` of a local file or an object (read through fsspec)."""
+    location = as_location(location)
+    if isinstance(location, Path):
+        return pq.ParquetFile(location, **options)
+    fs, path = filesystem(location)
+    return pq.ParquetFile(fs.open(path, "rb"), **options)
+
+
+def read_schema(location: Location) -> pa.Schema:
+    """The Arrow schema of a Parquet file."""
+    return open_parquet(location).schema_arrow
+
+
+def read_bytes(location: Location) -> bytes:
+    location = as_location(location)
+    if isinstance(location, Path):
+        return location.read_bytes()
+    fs, path = filesystem(location)
+    return fs.cat_file(path)
+
+
+def read_text(location: Location) -> str:
+    return read_bytes(location).decode()
+
+
+def write_bytes(location: Location, data: bytes) -> None:
+    """Write a whole file (one PUT for an object)."""
+    location = as_location(location)
+    if isinstance(location, Path):
+        location.parent.mkdir(parents=True, exist_ok=True)
+        location.write_bytes(data)
+        return
+    fs, path = filesystem(location)
+    fs.pipe_file(path, data)
+
+
+def write_text(location: Location, text: str) -> None:
+    write_bytes(location, text.encode())
+
+
+def open_output(location: Location) -> str | IO[bytes]:
+    """Where a streaming writer (``pq.ParquetWriter``) writes: a path, or an open object.
+
+    An object becomes visible whole when ``close_output`` closes it (for ``s3://`` the
+    multipart upload completes then). The caller closes it after its writer.
+    """
+    location = as_location(location)
+    if isinstance(location, Path):
+        location.parent.mkdir(parents=True, exist_ok=True)
+        return str(location)
+    fs, path = filesystem(location)
+    return fs.open(path, "wb")
+
+
+def close_output(sink: str | IO[bytes]) -> None:
+    """Close what ``open_output`` opened (nothing to do for a path)."""
+    if not isinstance(sink, str):
+        sink.close()
+
+
+def write_arrow(location: Location, table: pa.Table) -> None:
+    """A table as one uncompressed Arrow IPC stream (a spill part), written whole."""
+    location = as_location(location)
+    if isinstance(location, Path):
+        location.parent.mkdir(parents=True, exist_ok=True)
+        with pa.ipc.new_stream(str(location), table.schema) as writer:
+            writer.write_table(table)
+        return
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    write_bytes(location, sink.getvalue().to_pybytes())
+
+
+def read_arrow(location: Location) -> pa.Table:
+    """A table written by ``write_arrow``."""
+    location = as_location(location)
+    if isinstance(location, Path):
+        with pa.ipc.open_stream(str(location)) as reader:
+            return reader.read_all()
+    with pa.ipc.open_stream(pa.py_buffer(read_bytes(location))) as reader:
+        return reader.read_all()
+
+
+def remove(locations: list[Location]) -> None:
+    """Delete files (missing ones are fine)."""
+    urls = [str(x) for x in locations if is_remote(x)]
+    for path in (as_location(x) for x in locations if not is_remote(x)):
+        path.unlink(missing_ok=True)
+    if urls:
+        fs, _ = filesystem(urls[0])
+        paths = [filesystem(u)[1] for u in urls]
+        existing = [p for p in paths if fs.exists(p)]
+        if existing:
+            fs.rm(existing)
+
+
+def check_location(location: Location, what: str) -> Location:
+    """``location`` as ``as_location`` gives it, after checking it is well formed.
+
+    Args:
+        location: A path or URL typed by a person (a flag, a config field).
+        what: What it is, for the message (``"--root"``, ``"ingest.path"``).
+
+    Raises:
+        ConfigError: A scheme without ``//`` (``s3:/bucket``), or a URL without a path.
+    """
+    text = str(location)
+    if _MALFORMED_URL.match(text) and not re.match(r"^[A-Za-z]:[\\/]", text):
+        scheme = text.split(":", 1)[0]
+        raise ConfigError(
+            f"{what}={text!r} looks like a URL without '//' after '{scheme}:'; write "
+            f"{scheme}://{text.split(':', 1)[1].lstrip('/')} (or a local path without ':')"
+        )
+    if is_remote(text) and not text.partition("://")[2].strip("/"):
+        raise ConfigError(f"{what}={text!r} names no bucket or path after '://'")
+    return as_location(text)
+
+
+def local_path(location: Location) -> Path:
+    """A local location as a Path (``file://`` stripped)."""
+    return Path(str(location).removeprefix("file://"))
+
+
+def cache_dir() -> Path:
+    """Where the local side of remote stores lives: $RECFORGE_CACHE_DIR or ~/.cache/recforge."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    return Path(configured) if configured else Path.home() / ".cache" / "recforge"
+
+
+def local_mirror(url: str) -> Path:
+    """The local directory that mirrors `url`: ``<cache>/<protocol>/<bucket>/<key>``."""
+    protocol, _, path = url.partition("://")
+    return cache_dir() / protocol / path.strip("/")
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of `url` and the path in it.
+
+    Raises:
+        ConfigError: The protocol's package is not installed (s3fs for `s3://`).
+    """
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as err:
+        extra = " (pip install -e '.[s3]')" if url.startswith("s3") else ""
+        raise ConfigError(
+            f"artifact store {url}: the filesystem for this protocol is not installed "
+            f"({err}); install it{extra}"
+        ) from err
+
+
+def backend_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions object-store clients raise for a bad endpoint, credentials or bucket."""
+    errors: list[type[BaseException]] = [OSError, ValueError]
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:  # no s3fs installed: other backends raise OSError subclasses
+        return tuple(errors)
+    return (*errors, BotoCoreError, ClientError)
+
+
+@contextmanager
+def storage_errors(url: str) -> Iterator[None]:
+    """Turn an object-store failure into `StoreUnreachable` naming `url` and what to set."""
+    try:
+        yield
+    except backend_errors() as err:
+        raise StoreUnreachable(
+            f"cannot reach the artifact store {url} ({type(err).__name__}: {err}). Check "
+            "that the bucket exists, that credentials are set (for s3://: "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and, for an "
+            "S3-compatible server, that AWS_ENDPOINT_URL points at it; or pass a local --root"
+        ) from err
+
+
+def read_text_or_none(location: str | Path) -> str | None:
+    """A small file's text (a manifest, a pointer, a record), or None when it is missing."""
+    if not is_remote(location):
+        try:
+            return local_path(location).read_text()
+        except FileNotFoundError:
+            return None
+    fs, path = filesystem(str(location))
+    try:
+        return fs.cat_file(path).decode()
+    except FileNotFoundError:
+        return None
+
+
+def upload_files(local_dir: Path, rels: list[str], url: str) -> dict[str, str | None]:
+    """Upload `local_dir/<rel>` to `url/<rel>` for each rel; returns each object's ETag."""
+    fs, path = filesystem(url)
+    if rels:
+        fs.put([str(local_dir / rel) for rel in rels], [f"{path}/{rel}" for rel in rels])
+    fs.invalidate_cache(path)
+    listing = fs.find(path, detail=True) if rels else {}
+    return {rel: etag(listing.get(f"{path}/{rel}", {})) for rel in rels}
+
+
+def download_files(url: str, rels: list[str], local_dir: Path) -> None:
+    """Download `url/<rel>` to `local_dir/<rel>` for each rel."""
+    fs, path = filesystem(url)
+    for rel in rels:
+        (local_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+    if rels:
+        fs.get([f"{path}/{rel}" for rel in rels], [str(local_dir / rel) for rel in rels])
+
+
+def remove_tree(url: str) -> None:
+    """Delete every object under `url` (nothing when there are none)."""
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)
+    found = fs.find(path)
+    if found:
+        fs.rm(found)
+
+
+def etag(info: dict) -> str | None:
+    """An object's ETag from an fsspec listing (s3fs: "ETag", gcsfs: "etag"), or None."""
+    tag = info.get("ETag") or info.get("etag")
+    return str(tag) if tag else None
