@@ -18,7 +18,7 @@ from data_prep.schema import SchemaConfig
 from data_prep.shard import ShardConfig
 from data_prep.synthetic import GenerateConfig
 from training.blessing import BlessConfig
-from training.config import EvaluateConfig, ExportConfig, TrainConfig
+from training.config import EvaluateConfig, ExportConfig, TrainConfig, evaluate_export_problems
 
 
 class PipelineConfig(BaseModel):
@@ -44,6 +44,15 @@ class PipelineConfig(BaseModel):
         default=BlessConfig(),
         description="When an exported model may replace the registry's champion.",
     )
+
+    @model_validator(mode="after")
+    def _stages_apply_to_the_model(self) -> "PipelineConfig":
+        """Refuse evaluate/export settings the chosen train.model would silently ignore."""
+        problems = evaluate_export_problems(self.train.model, self.evaluate, self.export)
+        if problems:
+            # One line each, as load_config's message lists its problems.
+            raise ValueError("\n  ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _validation_matches_evaluation(self) -> "PipelineConfig":
@@ -122,6 +131,10 @@ def describe_validation_error(err: ValidationError, path: Path) -> str:
                 f"  {field}: unknown key (value {problem['input']!r}); remove it or fix its "
                 "spelling."
             )
+        elif not problem["loc"]:
+            # A check across sections names its fields and values; its input is the
+            # whole config, not worth repeating.
+            lines.append(f"  {field}: {problem['msg']}")
         else:
             lines.append(f"  {field}: {problem['msg']} (got {problem['input']!r})")
     return "\n".join(lines)

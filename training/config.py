@@ -249,7 +249,16 @@ class TrainConfig(BaseModel):
         "0 keeps the learning rate constant.",
     )
     grad_clip: float = Field(
-        0.0, ge=0, description="Clip the global gradient norm to this value; 0 disables."
+        0.0,
+        ge=0,
+        description="Gradient clipping; 0 disables. The dense parameters (DeepSpeed's "
+        "gradient_clipping): their global L2 norm, over all ranks, is scaled down to this "
+        "value. They include the sequence models' item and feature tables (pipeline "
+        "layers; the tied item table counted once), the CTR admission default rows and, "
+        "with embeddings: dense, the CTR table. With embeddings: sharded, each updated "
+        "row's gradient (summed over ranks and micro steps) is also scaled down to L2 norm "
+        "<= this value, row by row, before the sparse weight decay and the row-wise "
+        "optimizer (training.ctr.embedding.clip_row_norms).",
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
@@ -639,11 +648,20 @@ class TrainConfig(BaseModel):
 
 
 class EvaluateConfig(BaseModel):
-    """The `evaluate` section: which split to score and how."""
+    """The `evaluate` section: which split to score and how.
+
+    A field the chosen `train.model` does not read (its description names the models
+    that do) is refused by the pipeline config (`evaluate_export_problems`).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    batch_size: int = Field(8192, ge=1, description="Rows scored per forward pass.")
+    batch_size: int = Field(
+        8192,
+        ge=1,
+        description="CTR models: rows scored per forward pass (the sequence models score "
+        "ranking_block_users users at once).",
+    )
     split: Literal["test", "valid"] = Field("test", description="Split to evaluate on.")
     ks: list[int] = Field(
         default_factory=lambda: [10],
@@ -660,7 +678,9 @@ class EvaluateConfig(BaseModel):
         0, ge=0, description="Sequence models: seed of the sampled negatives."
     )
     full_ranking: bool = Field(
-        True, description="Sequence models: also rank the target against every item (b)."
+        True,
+        description="SASRec: also rank the target against every item (b). BST scores given "
+        "candidates and ranks the sampled negatives only.",
     )
     ranking_block_users: int = Field(
         512,
@@ -739,7 +759,11 @@ class EvaluateConfig(BaseModel):
 
 
 class ExportConfig(BaseModel):
-    """The `export` section: package name and the parity check."""
+    """The `export` section: package name and the parity check.
+
+    A field the chosen `train.model` does not read (its description names the models
+    that do) is refused by the pipeline config (`evaluate_export_problems`).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -752,7 +776,10 @@ class ExportConfig(BaseModel):
     )
     opset: int = Field(17, ge=9, description="ONNX opset version.")
     top_k: int = Field(
-        10, ge=1, description="Sequence models: items the exported recommender returns."
+        10,
+        ge=1,
+        description="SASRec: items the exported top-K recommender returns. BST exports a "
+        "candidate scorer, which scores the candidates it is given.",
     )
     infra_validation_rows: int = Field(
         256,
@@ -773,3 +800,85 @@ class ExportConfig(BaseModel):
         description="CTR models: timed calls behind each infra validation latency figure "
         "(one-record calls and whole-sample calls).",
     )
+
+
+# Evaluate fields only the CTR models read, with what a sequence model takes instead
+# (shown before "remove it").
+_CTR_ONLY_EVALUATE_FIELDS = {
+    "batch_size": "the sequence models score evaluate.ranking_block_users users at once; ",
+    "auc_mode": "the sequence models report ranking metrics (HR@K, NDCG@K, MRR), not AUC; ",
+    "auc_buckets": "the sequence models report ranking metrics (HR@K, NDCG@K, MRR), not AUC; ",
+    "exact_auc_max_rows": "the sequence models report ranking metrics (HR@K, NDCG@K, MRR), "
+    "not AUC; ",
+    "slice_by": "",
+    "calibration_bins": "",
+    "user_key": "",
+    "score_sample_rows": "it is the reference of the CTR export's infra validation; ",
+}
+# Evaluate fields only the sequence models read.
+_SEQUENCE_ONLY_EVALUATE_FIELDS = {
+    "ks": "the CTR models report AUC and logloss, not ranking metrics; ",
+    "num_negatives": "the CTR models report AUC and logloss, not ranking metrics; ",
+    "negatives_seed": "the CTR models report AUC and logloss, not ranking metrics; ",
+    "full_ranking": "the CTR models report AUC and logloss, not ranking metrics; ",
+    "ranking_block_users": "the CTR models score evaluate.batch_size rows at once; ",
+}
+# Export fields only the CTR models read: the sequence packages are checked by parity only.
+_CTR_ONLY_EXPORT_FIELDS = {
+    "infra_validation_rows": "the sequence packages are checked by parity (parity_rows); ",
+    "infra_validation_unseen": "the sequence packages are checked by parity (parity_rows); ",
+    "infra_validation_repetitions": "the sequence packages are checked by parity (parity_rows); ",
+}
+# BST scores the candidates it is given: no full ranking, no top-K recommender.
+_BST_CANDIDATES = "BST scores given candidates, "
+# model -> section -> the fields it never reads -> the hint of what it takes instead.
+_UNREAD_STAGE_FIELDS: dict[str, dict[str, dict[str, str]]] = {
+    "dlrm": {
+        "evaluate": _SEQUENCE_ONLY_EVALUATE_FIELDS,
+        "export": {"top_k": "the CTR package scores records and recommends no items; "},
+    },
+    "sasrec": {"evaluate": _CTR_ONLY_EVALUATE_FIELDS, "export": _CTR_ONLY_EXPORT_FIELDS},
+    "bst": {
+        "evaluate": {
+            **_CTR_ONLY_EVALUATE_FIELDS,
+            "full_ranking": f"{_BST_CANDIDATES}so it ranks the sampled negatives only; ",
+        },
+        "export": {
+            **_CTR_ONLY_EXPORT_FIELDS,
+            "top_k": f"{_BST_CANDIDATES}so it exports a candidate scorer, not a top-K "
+            "recommender; ",
+        },
+    },
+}
+
+
+def evaluate_export_problems(
+    model: str, evaluate: EvaluateConfig, export: ExportConfig
+) -> list[str]:
+    """The evaluate and export settings that `model` would silently ignore.
+
+    Every field is either read by the chosen model's evaluate and export or refused,
+    as train fields are (`TrainConfig`): a setting that would be ignored is a setting
+    the user thinks is in effect. A field at its default is no problem. Called by the
+    pipeline config, the one place that sees train.model beside these sections.
+
+    Args:
+        model: `train.model`.
+        evaluate: The evaluate section.
+        export: The export section.
+
+    Returns:
+        One message per field set to a non-default value that `model` does not read,
+        naming the field, its value and its default; empty when every setting applies.
+    """
+    problems = []
+    for section, config in (("evaluate", evaluate), ("export", export)):
+        for name, hint in _UNREAD_STAGE_FIELDS[model][section].items():
+            default = type(config).model_fields[name].get_default(call_default_factory=True)
+            value = getattr(config, name)
+            if value != default:
+                problems.append(
+                    f"{section}.{name}={value!r} does not apply to train.model={model}; "
+                    f"{hint}remove it (default {default})"
+                )
+    return problems

@@ -58,3 +58,40 @@ def test_in_training_validation_must_use_the_test_protocol():
         load_config(sasrec, [*on, "train.valid_negatives_seed=3"])
     # Without in-training validation the valid protocol is not used, so not checked.
     load_config(sasrec, ["evaluate.num_negatives=30"])
+
+
+BST = ["train.model=bst", "preprocess.sequence_item_features=[]", "train.sequence.mlp=[16]"]
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "refusal"),
+    [
+        ("tiny.yaml", ["evaluate.ks=[5]"], r"evaluate.ks=\[5\] does not apply to train.model=dlrm"),
+        ("tiny.yaml", ["export.top_k=5"], "export.top_k=5 does not apply to train.model=dlrm"),
+        (
+            "tiny-sasrec.yaml",
+            ["evaluate.auc_mode=exact"],
+            "evaluate.auc_mode='exact' does not apply to train.model=sasrec",
+        ),
+        (
+            "tiny-sasrec.yaml",
+            ["export.infra_validation_rows=10"],
+            "export.infra_validation_rows=10 does not apply to train.model=sasrec",
+        ),
+        ("tiny-sasrec.yaml", [*BST, "export.top_k=5"], "export.top_k=5 does not apply.*bst"),
+        (
+            "tiny-sasrec.yaml",
+            [*BST, "evaluate.full_ranking=false"],
+            "evaluate.full_ranking=False does not apply to train.model=bst",
+        ),
+    ],
+)
+def test_an_evaluate_or_export_field_of_another_model_is_refused(config, overrides, refusal):
+    """A setting the chosen model never reads is refused, naming it, not silently ignored."""
+    path = REPO / "configs" / config
+    with pytest.raises(ConfigError, match=refusal) as err:
+        load_config(path, overrides)
+    assert config in str(err.value) and "remove it" in str(err.value)
+    # The refusal names the field; it does not dump the whole config.
+    assert "'schema'" not in str(err.value)
+    load_config(path, overrides[:-1])  # the same config without it loads

@@ -1,10 +1,13 @@
+import importlib.util
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from training.config import EvaluateConfig, ExportConfig, TrainConfig
+from training.config import EvaluateConfig, ExportConfig, TrainConfig, evaluate_export_problems
 
 CONFIGS = [TrainConfig, EvaluateConfig, ExportConfig]
 
@@ -88,3 +91,132 @@ def test_dropout_is_for_the_ctr_mlps() -> None:
         TrainConfig(model="sasrec", world_size=1, dropout=0.1)
     with pytest.raises(ValidationError, match="less than 1"):
         TrainConfig(dropout=1.0)
+
+
+# Every evaluate and export field with a non-default value, walked per model as the train
+# fields are (tests/training/runtime/test_train_config_fields.py).
+STAGE_CHANGES: dict[str, dict[str, Any]] = {
+    "evaluate": {
+        "batch_size": 1024,
+        "split": "valid",
+        "ks": [5],
+        "num_negatives": 20,
+        "negatives_seed": 1,
+        "full_ranking": False,
+        "ranking_block_users": 64,
+        "auc_mode": "exact",
+        "auc_buckets": 1024,
+        "exact_auc_max_rows": 10,
+        "slice_by": ["city"],
+        "calibration_bins": 5,
+        "user_key": "user_id",
+        "score_sample_rows": 512,
+        "workers": 2,
+    },
+    "export": {
+        "model_name": "m",
+        "parity_rows": 10,
+        "parity_atol": 1e-4,
+        "opset": 18,
+        "top_k": 5,
+        "infra_validation_rows": 10,
+        "infra_validation_unseen": 0,
+        "infra_validation_repetitions": 10,
+    },
+}
+STAGE_CLASSES = {"evaluate": EvaluateConfig, "export": ExportConfig}
+
+# What each model's evaluate and export never read, stated here independently of
+# training.config (from training/ctr/evaluate.py, training/sequence/evaluate.py and the
+# three exports).
+CTR_EVALUATE_ONLY = {
+    "batch_size",  # the sequence models score ranking_block_users users at once
+    "auc_mode",
+    "auc_buckets",
+    "exact_auc_max_rows",
+    "slice_by",
+    "calibration_bins",
+    "user_key",
+    "score_sample_rows",
+}
+SEQUENCE_EVALUATE_ONLY = {
+    "ks",
+    "num_negatives",
+    "negatives_seed",
+    "full_ranking",
+    "ranking_block_users",
+}
+CTR_EXPORT_ONLY = {
+    "infra_validation_rows",
+    "infra_validation_unseen",
+    "infra_validation_repetitions",
+}
+STAGE_REFUSED = {
+    "dlrm": {"evaluate": SEQUENCE_EVALUATE_ONLY, "export": {"top_k"}},
+    "sasrec": {"evaluate": CTR_EVALUATE_ONLY, "export": CTR_EXPORT_ONLY},
+    # BST scores given candidates: no full ranking, no top-K recommender.
+    "bst": {
+        "evaluate": CTR_EVALUATE_ONLY | {"full_ranking"},
+        "export": CTR_EXPORT_ONLY | {"top_k"},
+    },
+}
+# Where each model's evaluate and export read their config (training.stages, the
+# dispatcher, passes export.top_k to SASRec's export as k).
+STAGE_MODULES = {
+    "dlrm": ["training.stages", "training.ctr.evaluate", "training.ctr.export"],
+    "sasrec": ["training.stages", "training.sequence.evaluate", "training.sequence.export"],
+    "bst": [
+        "training.stages",
+        "training.sequence.evaluate",
+        "training.sequence.export",
+        "training.sequence.bst_export",
+    ],
+}
+
+
+def _source(module: str) -> str:
+    """A module's source, read without importing it (no torch, no Prefect)."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    return Path(spec.origin).read_text()
+
+
+@pytest.mark.parametrize("section", sorted(STAGE_CHANGES))
+def test_the_stage_walk_covers_every_field(section: str) -> None:
+    assert set(STAGE_CHANGES[section]) == set(STAGE_CLASSES[section].model_fields)
+
+
+@pytest.mark.parametrize("model", ["dlrm", "sasrec", "bst"])
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [(section, field) for section, changes in STAGE_CHANGES.items() for field in changes],
+)
+def test_an_evaluate_or_export_field_is_read_or_refused(
+    section: str, field: str, model: str
+) -> None:
+    value = STAGE_CHANGES[section][field]
+    changed = STAGE_CLASSES[section](**{field: value})
+    stages = {"evaluate": EvaluateConfig(), "export": ExportConfig(), section: changed}
+    problems = evaluate_export_problems(model, stages["evaluate"], stages["export"])
+    if field in STAGE_REFUSED[model][section]:
+        assert len(problems) == 1, problems
+        assert problems[0].startswith(
+            f"{section}.{field}={value!r} does not apply to train.model={model}; "
+        )
+        assert "remove it (default " in problems[0]
+        return
+    assert problems == []
+    sources = "".join(_source(module) for module in STAGE_MODULES[model])
+    assert f"config.{field}" in sources, f"{section}.{field} is read by no {model} stage"
+
+
+def test_default_stage_sections_apply_to_every_model() -> None:
+    for model in ("dlrm", "sasrec", "bst"):
+        assert evaluate_export_problems(model, EvaluateConfig(), ExportConfig()) == []
+
+
+def test_every_inapplicable_field_is_reported() -> None:
+    evaluate = EvaluateConfig(ks=[5], auc_mode="exact")
+    problems = evaluate_export_problems("bst", evaluate, ExportConfig(top_k=3))
+    assert [problem.split("=")[0] for problem in problems] == ["evaluate.auc_mode", "export.top_k"]
+    assert "BST" in problems[1] and "(default 10)" in problems[1]
