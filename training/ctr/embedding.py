@@ -27,6 +27,11 @@ Initial values depend only on (seed, global row), never on W (each rank draws th
 same fixed-size chunks of the table and keeps its rows), so a table can be resharded
 and runs with different world sizes start from the same weights.
 
+Gradient clipping (`max_grad_norm` c > 0, the config's `train.grad_clip`): at `step`,
+each row's gradient (summed over ranks and micro steps, divided as above) is scaled to
+L2 norm c when it is longer, before the weight decay term and the optimizer; see
+`clip_row_norms` for why row-wise and not FBGEMM's element-wise clamp.
+
 Frequency admission (`admission_min_count` K >= 2): owners count every occurrence of
 their rows; an id seen fewer than K times (this batch included) is reported as not
 admitted, the caller substitutes its feature's shared default row (a dense
@@ -96,6 +101,32 @@ def init_rows(
                 first - start :: world_size
             ]
     return local
+
+
+def clip_row_norms(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Each row's gradient scaled down to L2 norm `max_norm` where it is longer.
+
+    Why this rule: the dense side's `train.grad_clip` is DeepSpeed's clip of the global
+    L2 norm, which keeps a gradient's direction. FBGEMM's TBE (`gradient_clipping`,
+    `max_gradient`) clamps every element of the pooled output gradient to
+    [-max_gradient, max_gradient] before the rows' gradients are summed: that turns the
+    direction, depends on how the batch is split over ranks, and bounds an element, not
+    what `grad_clip` says it bounds. A global norm over all rows would cost one more
+    all-reduce per step and let one hot row's spike shrink every other row's update. So
+    the clip is per row and by L2 norm, on the gradient the row-wise optimizer sees
+    (every rank's and micro step's contributions summed, unscaled): W ranks with batch b
+    still follow 1 rank with batch W*b, and Adagrad's accumulator and Adam's moments
+    take in the clipped gradient, as DeepSpeed's optimizer does on the dense side.
+
+    Args:
+        grad: (R, D) gradients of R rows.
+        max_norm: c > 0.
+
+    Returns:
+        (R, D): rows with norm <= c unchanged (bit for bit), the others times c / norm.
+    """
+    norms = torch.linalg.vector_norm(grad, dim=1, keepdim=True)  # (R, 1)
+    return torch.where(norms > max_norm, grad * (max_norm / norms), grad)
 
 
 def _local_rows(num_rows: int, rank: int, world_size: int) -> int:
@@ -182,6 +213,8 @@ class ShardedEmbedding:
         world_size: W.
         group: Process group of the all-to-alls (default: the world).
         weight_decay: L2 penalty added to the gradient of each row it updates.
+        max_grad_norm: Largest L2 norm of a row's gradient (`clip_row_norms`), applied
+            before the weight decay term; 0 disables.
     """
 
     def __init__(
@@ -196,6 +229,7 @@ class ShardedEmbedding:
         world_size: int = 1,
         group: dist.ProcessGroup | None = None,
         weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
     ) -> None:
         if optimizer not in ("rowwise_adagrad", "lazy_adam"):
             raise ValueError(f"optimizer must be rowwise_adagrad or lazy_adam, got {optimizer!r}")
@@ -207,6 +241,7 @@ class ShardedEmbedding:
         self.lr = lr
         self.admission_min_count = admission_min_count
         self.weight_decay = weight_decay
+        self.max_grad_norm = max_grad_norm
         self.rank, self.world_size, self.group = rank, world_size, group
         self.weight = init_rows(self.table_sizes, embedding_dim, seed, rank, world_size)
         local = self.weight.shape[0]
@@ -352,6 +387,9 @@ class ShardedEmbedding:
     def step(self, grad_scale: float = 1.0) -> int:
         """Apply the row-wise optimizer to every row with accumulated gradients.
 
+        Each row's summed gradient is clipped to `max_grad_norm` (when set), then the
+        weight decay term is added.
+
         Args:
             grad_scale: Divides the summed gradients (the loss scale of fp16); the
                 world size is divided out here as well.
@@ -372,6 +410,8 @@ class ShardedEmbedding:
         if self.counts is not None:
             keep = self.counts[rows] >= self.admission_min_count
             rows, summed = rows[keep], summed[keep]
+        if self.max_grad_norm:
+            summed = clip_row_norms(summed, self.max_grad_norm)
         if self.weight_decay:
             summed += self.weight_decay * self.weight[rows]
         if self.optimizer == "rowwise_adagrad":

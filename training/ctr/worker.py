@@ -23,6 +23,8 @@ Embeddings: with `train.embeddings: sharded` the table lives in a `ShardedEmbedd
 (rows sharded over ranks, all-to-all lookups, row-wise sparse optimizer) and
 DeepSpeed wraps only the `CTRArch` (MLPs, interaction, heads, default rows). With
 `dense` the whole `CTRModel` (nn.Embedding inside) is the DeepSpeed module.
+`train.grad_clip` is DeepSpeed's clip of the dense gradients' global norm and, with
+`sharded`, also the row-wise clip of each updated row's gradient (`clip_row_norms`).
 
 Each step's time is split into data (waiting for the reader), lookup (ids to rows,
 both all-to-alls), dense (forward and backward) and optimizer (gradients to the
@@ -365,6 +367,8 @@ def _build_modules(
         world_size,
         group,
         config.sparse_weight_decay,
+        # train.grad_clip bounds each row's gradient too; DeepSpeed clips the dense side.
+        max_grad_norm=config.grad_clip,
     )
     return module, store
 

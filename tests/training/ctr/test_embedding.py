@@ -143,12 +143,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, optimizer: str, admission: int) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, out: str, optimizer: str, admission: int, grad_clip: float
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     store = ShardedEmbedding(
         SIZES, DIM, optimizer, lr=0.05, admission_min_count=admission, seed=1,
-        rank=rank, world_size=world,
+        rank=rank, world_size=world, max_grad_norm=grad_clip,
     )  # fmt: skip
     _train(store, _global_batches(steps=6, batch=8), rank, world)
     torch.save(store.state_dict(), Path(out) / f"rank{rank}.pt")
@@ -156,9 +158,18 @@ def _rank_main(rank: int, world: int, port: int, out: str, optimizer: str, admis
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "admission"), [("rowwise_adagrad", 0), ("lazy_adam", 0), ("rowwise_adagrad", 2)]
+    ("optimizer", "admission", "grad_clip"),
+    [
+        ("rowwise_adagrad", 0, 0.0),
+        ("lazy_adam", 0, 0.0),
+        ("rowwise_adagrad", 2, 0.0),
+        # About half the rows' gradients are longer than 0.1: clipped once summed.
+        ("rowwise_adagrad", 0, 0.1),
+    ],
 )
-def test_two_ranks_equal_one_process(tmp_path: Path, optimizer: str, admission: int) -> None:
+def test_two_ranks_equal_one_process(
+    tmp_path: Path, optimizer: str, admission: int, grad_clip: float
+) -> None:
     """Rows after 6 steps on 2 gloo ranks (batch 4 each) = 1 process with batch 8."""
     # Fresh interpreters, not forks: the test process runs threads (Prefect, moto, rich)
     # by now, and a fork inherits whatever lock one of them held.
@@ -166,7 +177,8 @@ def test_two_ranks_equal_one_process(tmp_path: Path, optimizer: str, admission: 
     port = _free_port()
     processes = [
         context.Process(
-            target=_rank_main, args=(rank, 2, port, str(tmp_path), optimizer, admission)
+            target=_rank_main,
+            args=(rank, 2, port, str(tmp_path), optimizer, admission, grad_clip),
         )
         for rank in range(2)
     ]
@@ -179,10 +191,15 @@ def test_two_ranks_equal_one_process(tmp_path: Path, optimizer: str, admission: 
     two_ranks = gather_full_table([s["weight"] for s in shards], sum(SIZES))
 
     reference = ShardedEmbedding(
-        SIZES, DIM, optimizer, lr=0.05, admission_min_count=admission, seed=1
-    )
+        SIZES, DIM, optimizer, lr=0.05, admission_min_count=admission, seed=1,
+        max_grad_norm=grad_clip,
+    )  # fmt: skip
     _train(reference, _global_batches(steps=6, batch=8), 0, 1)
     assert not torch.equal(reference.weight, init_rows(SIZES, DIM, seed=1))  # it trained
+    if grad_clip:
+        unclipped = ShardedEmbedding(SIZES, DIM, optimizer, lr=0.05, seed=1)
+        _train(unclipped, _global_batches(steps=6, batch=8), 0, 1)
+        assert not torch.allclose(unclipped.weight, reference.weight)  # the clip acted
     torch.testing.assert_close(two_ranks, reference.weight, rtol=1e-6, atol=1e-7)
 
 
@@ -218,6 +235,67 @@ def test_weight_decay_adds_l2_to_the_updated_rows_only() -> None:
     untouched = torch.ones(sum(SIZES), dtype=torch.bool)
     untouched[[4, 11]] = False
     assert torch.equal(decayed.weight[untouched], before[untouched])
+
+
+def _step_with(
+    store: ShardedEmbedding, ids: list[int], grads: torch.Tensor, grad_scale: float = 1.0
+) -> None:
+    """One optimizer step in which row ids[i] (sorted, unique) gets the gradient grads[i]."""
+    rows, _, context = store.lookup(torch.tensor(ids))
+    (rows * grads).sum().backward()  # d loss / d rows = grads, (U, D)
+    store.accumulate_gradients(rows.grad, context)
+    store.step(grad_scale)
+
+
+# Row 4's gradient has L2 norm 13 (above the clip 1), row 11's 0.5 (below it).
+BIG, SMALL = torch.tensor([3.0, -4.0, 0.0, 12.0]), torch.tensor([0.3, 0.4, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "lazy_adam"])
+def test_grad_clip_updates_a_row_as_if_its_gradient_had_the_clip_norm(optimizer: str) -> None:
+    clipped = ShardedEmbedding(SIZES, DIM, optimizer, lr=0.1, seed=3, max_grad_norm=1.0)
+    twin = ShardedEmbedding(SIZES, DIM, optimizer, lr=0.1, seed=3)  # fed clipped gradients
+    _step_with(clipped, [4, 11], torch.stack([BIG, SMALL]))
+    _step_with(twin, [4, 11], torch.stack([BIG / 13, SMALL]))
+    # The row below the clip is untouched by it: bit for bit what no clipping gives.
+    assert torch.equal(clipped.weight[11], twin.weight[11])
+    if optimizer == "rowwise_adagrad":
+        # The accumulator holds the mean squared gradient: norm^2 / D.
+        assert float(clipped.state["sum_sq"][4]) == pytest.approx(1.0 / DIM)
+        assert float(clipped.state["sum_sq"][11]) == pytest.approx(0.25 / DIM)
+    # Step 2 swaps them: now row 11 is clipped and row 4 is not.
+    _step_with(clipped, [4, 11], torch.stack([SMALL, BIG]))
+    _step_with(twin, [4, 11], torch.stack([SMALL, BIG / 13]))
+    torch.testing.assert_close(clipped.weight, twin.weight, rtol=0, atol=1e-7)
+    for name, state in clipped.state.items():
+        torch.testing.assert_close(state, twin.state[name], rtol=1e-6, atol=0)
+    unclipped = ShardedEmbedding(SIZES, DIM, optimizer, lr=0.1, seed=3)
+    _step_with(unclipped, [4, 11], torch.stack([BIG, SMALL]))
+    _step_with(unclipped, [4, 11], torch.stack([SMALL, BIG]))
+    assert not torch.allclose(unclipped.weight[[4, 11]], clipped.weight[[4, 11]])
+
+
+def test_grad_clip_zero_disables_it() -> None:
+    store = ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", lr=0.1, seed=3, max_grad_norm=0.0)
+    _step_with(store, [4, 11], torch.stack([BIG, SMALL]))
+    assert float(store.state["sum_sq"][4]) == pytest.approx(169.0 / DIM)
+
+
+def test_grad_clip_applies_to_the_unscaled_gradient_before_weight_decay() -> None:
+    # fp16: the rows receive the loss-scaled gradient; the clip sees it unscaled.
+    scaled = ShardedEmbedding(SIZES, DIM, "lazy_adam", lr=0.1, seed=3, max_grad_norm=1.0)
+    plain = ShardedEmbedding(SIZES, DIM, "lazy_adam", lr=0.1, seed=3, max_grad_norm=1.0)
+    _step_with(scaled, [4, 11], torch.stack([BIG, SMALL]) * 128, grad_scale=128)
+    _step_with(plain, [4, 11], torch.stack([BIG, SMALL]))
+    torch.testing.assert_close(scaled.state["exp_avg"], plain.state["exp_avg"])
+    # The L2 penalty is added to the clipped gradient, not clipped with it.
+    decayed = ShardedEmbedding(
+        SIZES, DIM, "rowwise_adagrad", lr=0.1, seed=3, weight_decay=0.5, max_grad_norm=1.0
+    )
+    before = decayed.weight.clone()
+    _step_with(decayed, [4, 11], torch.stack([BIG, SMALL]))
+    grad = BIG / 13 + 0.5 * before[4]
+    assert float(decayed.state["sum_sq"][4]) == pytest.approx(float(grad.pow(2).mean()))
 
 
 def test_reshard_state_moves_every_row_with_its_optimizer_state() -> None:
