@@ -1,6 +1,6 @@
 """Benchmark: SASRec training throughput of the project's pipeline against plain PyTorch.
 
-Data: MovieLens latest-small (`/work/shared/datasets/ml-latest-small/ratings.csv`,
+Data: MovieLens latest-small (`../shared/datasets/ml-latest-small/ratings.csv`,
 read-only, never copied into the repo) when it is there: every rating an
 interaction, split leave-last-out per user (last item test, second to last valid),
 turned into train histories by `data_prep.sequences.build_sequences` into
@@ -81,7 +81,8 @@ from training.sequence.registry import sequence_model  # noqa: E402
 from training.sequence.train import train_sequence_model  # noqa: E402
 
 CONFIG = REPO / "configs" / "sasrec-ml-latest-small.yaml"
-RATINGS = Path("/work/shared/datasets/ml-latest-small/ratings.csv")
+# ../shared/datasets beside the repository, as the shipped config reads it.
+RATINGS = REPO.parent / "shared" / "datasets" / "ml-latest-small" / "ratings.csv"
 MAX_LENGTH = 200  # the config's preprocess.sequence_length
 
 

@@ -327,7 +327,7 @@ def build_run_record(
     error: BaseException | None,
     failed_at: str | None = None,
 ) -> dict:
-    """The run record (DESIGN.md): stage statuses, metrics and the model path.
+    """The run record (docs/architecture.md): stage statuses, metrics and the model path.
 
     `failed_at` names where a failed run stopped: a stage, or `config`, `plan` (before
     any stage ran) or `gate` (after export).

@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN.md, checked on every module's own imports."""
+"""The layering rules of docs/architecture.md, checked on every module's own imports."""
 
 import ast
 import re
