@@ -28,6 +28,7 @@ def no_fault(point: str) -> None:
 
 
 def file_sha256(path: Path) -> str:
+    """Hex sha256 of a local file's bytes, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):

@@ -194,7 +194,7 @@ def check_location(location: Location, what: str) -> Location:
         ConfigError: A scheme without ``//`` (``s3:/bucket``), or a URL without a path.
     """
     text = str(location)
-    if _MALFORMED_URL.match(text) and not re.match(r"^[A-Za-z]:[\\/]", text):
+    if _MALFORMED_URL.match(text):
         scheme = text.split(":", 1)[0]
         raise ConfigError(
             f"{what}={text!r} looks like a URL without '//' after '{scheme}:'; write "
@@ -203,11 +203,6 @@ def check_location(location: Location, what: str) -> Location:
     if is_remote(text) and not text.partition("://")[2].strip("/"):
         raise ConfigError(f"{what}={text!r} names no bucket or path after '://'")
     return as_location(text)
-
-
-def local_path(location: Location) -> Path:
-    """A local location as a Path (``file://`` stripped)."""
-    return Path(str(location).removeprefix("file://"))
 
 
 def cache_dir() -> Path:
@@ -266,7 +261,7 @@ def read_text_or_none(location: str | Path) -> str | None:
     """A small file's text (a manifest, a pointer, a record), or None when it is missing."""
     if not is_remote(location):
         try:
-            return local_path(location).read_text()
+            return Path(as_location(location)).read_text()
         except FileNotFoundError:
             return None
     fs, path = filesystem(str(location))

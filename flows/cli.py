@@ -198,7 +198,7 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.hostfile is not None:
-        # A flag, as docs/architecture.md has where things run; the train section carries it to the task.
+        # A flag (where things run, docs/architecture.md); the train section carries it.
         args.overrides = [*args.overrides, f"train.hostfile={Path(args.hostfile).resolve()}"]
 
     # Validate before Prefect starts: a bad config fails in a second, with no retries.
