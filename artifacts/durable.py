@@ -27,11 +27,16 @@ def no_fault(point: str) -> None:
     """No fault injected (the default fault hook)."""
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a local file's bytes, read in 1 MiB blocks."""
+def file_sha256(location: Path | str) -> str:
+    """Hex sha256 of a file's bytes: a local path, or an object URL read through fsspec."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
+    if is_remote(location):
+        fs, path = filesystem(str(location))
+        handle = fs.open(path, "rb")
+    else:
+        handle = open(as_location(location), "rb")  # noqa: SIM115 - closed below
+    with handle:
+        while block := handle.read(1 << 23):
             digest.update(block)
     return digest.hexdigest()
 
