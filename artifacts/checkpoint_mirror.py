@@ -16,8 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from artifacts.checkpoints import MANIFEST, CheckpointStore, checkpoint_name, parse_step
+from artifacts.errors import DeterministicError
 from artifacts.locations import (
     backend_errors,
+    check_name,
     download_files,
     filesystem,
     join,
@@ -25,6 +27,7 @@ from artifacts.locations import (
     remove_tree,
     upload_files,
 )
+from artifacts.signing import loads_verified
 
 # How often the mirror looks for newly committed checkpoints to upload.
 MIRROR_EVERY_S = 1.0
@@ -94,11 +97,17 @@ class CheckpointMirror:
         scratch = self.local_root / ".staging" / "pull" / name
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
-        text = read_text_or_none(join(self._remote(step), MANIFEST)) or ""
+        where = join(self._remote(step), MANIFEST)
+        text = read_text_or_none(where) or ""
         try:
-            files = list(json.loads(text)["files"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            files = []  # verify names what is wrong with the manifest
+            # Signed by the run key, every name plain, before a single byte is fetched.
+            files = list(loads_verified(text, str(where))["files"])
+            for rel in files:
+                check_name(rel, f"a file listed in {where}")
+        except (DeterministicError, KeyError, TypeError) as err:
+            self._log(f"checkpoint {self._remote(step)} is refused ({err}); skipped")
+            shutil.rmtree(scratch)
+            return False
         download_files(self._remote(step), files, scratch)
         (scratch / MANIFEST).write_text(text)
         problem = CheckpointStore(self.local_root).verify(scratch)
@@ -224,8 +233,10 @@ class CheckpointMirror:
 
     def _pinned(self, step: int) -> set[int]:
         """The steps checkpoint `step`'s meta pins against retention."""
-        text = read_text_or_none(join(self._remote(step), MANIFEST)) or "{}"
+        where = join(self._remote(step), MANIFEST)
+        text = read_text_or_none(where) or "{}"
         try:
-            return {int(s) for s in json.loads(text).get("meta", {}).get("pinned", [])}
-        except (ValueError, TypeError, AttributeError):
+            meta = loads_verified(text, str(where)).get("meta", {})
+            return {int(s) for s in meta.get("pinned", [])}
+        except (DeterministicError, ValueError, TypeError, AttributeError):
             return set()

@@ -15,7 +15,9 @@ Layout under `root` (one training run, one save in flight at a time):
       latest                    "step-00000200\\n": the newest commit, a hint only
 
 `_manifest.json` holds {"step", "meta", "files": {relpath: {"size", "sha256"}},
-"created"}. It is written (and fsynced) last inside the staging directory, and the
+"created", "signature"} (the run key's HMAC, `artifacts.signing`: without a valid one
+no file of the checkpoint is trusted, so DeepSpeed's unpickling loader never sees it).
+It is written (and fsynced) last inside the staging directory, and the
 rename of the staging directory to `root/step-NNNNNNNN` is the commit point: a
 directory under `root` named like a step either holds a complete manifest or was
 damaged after the fact, which `verify` detects.
@@ -60,6 +62,8 @@ from typing import Any
 
 from artifacts.durable import file_sha256, fsync_dir
 from artifacts.errors import ConfigError, DataError, InputNotFoundError
+from artifacts.locations import UnsafeName, safe_join
+from artifacts.signing import SignatureError, sign, verify
 
 MANIFEST = "_manifest.json"
 POINTER = "latest"
@@ -297,12 +301,14 @@ class CheckpointStore:
         self._point("after-files")
 
         files = _hash_tree(staging)
-        manifest = {
-            "step": step,
-            "meta": meta_json,
-            "files": files,
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
+        manifest = sign(
+            {
+                "step": step,
+                "meta": meta_json,
+                "files": files,
+                "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+        )
         data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
         # Written in two fsynced halves so "mid-manifest" leaves a real torn file on
         # disk; the extra fsync costs nothing next to hashing the checkpoint.
@@ -494,13 +500,23 @@ def _check(path: Path, hashes: bool) -> tuple[dict[str, Any] | None, str | None]
         return None, f"missing {MANIFEST} (the save did not finish, or it was deleted)"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         return None, f"unreadable {MANIFEST}: {err}"
+    try:
+        # The signature first: a file's sha256 proves nothing when whoever could replace
+        # the file could rewrite the manifest too. DeepSpeed's loader unpickles what a
+        # verified manifest lists, and only that.
+        verify(manifest, f"{path / MANIFEST}")
+    except SignatureError as err:
+        return None, str(err)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not isinstance(manifest.get("meta"), dict):
         return None, f"malformed {MANIFEST}: needs a 'files' and a 'meta' object"
     if manifest.get("step") != parse_step(path.name):
         return None, f"{MANIFEST} says step {manifest.get('step')!r}, the directory is {path.name}"
     for rel, entry in sorted(files.items()):
-        file = path / rel
+        try:
+            file = Path(safe_join(path, rel, f"a file listed in {path / MANIFEST}"))
+        except UnsafeName as err:
+            return None, str(err)
         if not isinstance(entry, dict) or "size" not in entry or "sha256" not in entry:
             return None, f"malformed {MANIFEST} entry for {rel}"
         if not file.is_file():

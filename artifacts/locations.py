@@ -61,6 +61,86 @@ def join(location: Location, *parts: str) -> Location:
     return "/".join([location, *(p.strip("/") for p in parts if p)])
 
 
+class UnsafeName(ConfigError):
+    """A name read back from storage would leave the directory it is joined onto."""
+
+
+# A URL scheme at the start of a segment ("s3:", "file:", "C:").
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def check_name(name: str, what: str) -> list[str]:
+    """The segments of a relative name read from storage, after refusing unsafe ones.
+
+    Refused: a non-string or empty name, an absolute path, a backslash, a NUL or other
+    control character, a URL scheme, and any empty, ``.`` or ``..`` segment.
+
+    Raises:
+        UnsafeName: Naming `what` (where the name came from) and why.
+    """
+    if not isinstance(name, str) or not name:
+        raise UnsafeName(f"{what}: {name!r} is not a relative name; refusing it")
+    shown = repr(name[:80])
+    reason = ""
+    if name.startswith("/"):
+        reason = "is an absolute path"
+    elif "\\" in name:
+        reason = "holds a backslash"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in name):
+        reason = "holds a control character"
+    elif _SCHEME.match(name) or "://" in name:
+        reason = "is a URL or names a drive"
+    else:
+        segments = name.split("/")
+        if any(s in ("", ".", "..") for s in segments):
+            reason = "has an empty, '.' or '..' segment"
+    if reason:
+        raise UnsafeName(
+            f"{what}: {shown} {reason}; a stored name must stay under its directory, so "
+            "nothing was read or written for it. Someone other than recforge wrote it"
+        )
+    return name.split("/")
+
+
+def safe_join(root: Location, name: str, what: str) -> Location:
+    """`root` joined with a name read from storage, proven to stay under `root`.
+
+    The one join every stored name goes through (manifest entries, exchange keys,
+    registry versions, CHAMPION and its `previous`, run ids): `check_name`, then, for a
+    local root, the resolved path (symlinks followed) must lie under the resolved root.
+
+    Raises:
+        UnsafeName: The name is unsafe, or resolves outside `root`.
+    """
+    segments = check_name(name, what)
+    location = as_location(root)
+    if not isinstance(location, Path):
+        return "/".join([location, *segments])
+    joined = location.joinpath(*segments)
+    if not joined.resolve().is_relative_to(location.resolve()):
+        raise UnsafeName(
+            f"{what}: {name[:80]!r} resolves outside {location} (a symlink on the way); "
+            "refusing it"
+        )
+    return joined
+
+
+def check_under(url: str, root: str, what: str) -> str:
+    """A location read back from storage, refused unless it lies under the run's `root`.
+
+    Raises:
+        UnsafeName: `url` is elsewhere (another bucket, http://, file://, a `..`).
+    """
+    text, base = str(url).rstrip("/"), str(root).rstrip("/")
+    if not isinstance(url, str | Path) or not text.startswith(base + "/"):
+        raise UnsafeName(
+            f"{what}: {text[:120]!r} is not under the artifact root {base}; a location read "
+            "back from storage must stay in its root, so it was not followed"
+        )
+    check_name(text[len(base) + 1 :], what)
+    return text
+
+
 def base_name(location: Location) -> str:
     """The last component: ``train-00000-of-00004.parquet``."""
     return str(location).rstrip("/").rsplit("/", 1)[-1]
@@ -282,12 +362,19 @@ def upload_files(local_dir: Path, rels: list[str], url: str) -> dict[str, str | 
 
 
 def download_files(url: str, rels: list[str], local_dir: Path) -> None:
-    """Download `url/<rel>` to `local_dir/<rel>` for each rel."""
+    """Download `url/<rel>` to `local_dir/<rel>` for each rel.
+
+    Every rel is checked (`safe_join`) before anything is written.
+
+    Raises:
+        UnsafeName: A rel would land outside `local_dir`.
+    """
     fs, path = filesystem(url)
-    for rel in rels:
-        (local_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+    targets = [Path(safe_join(local_dir, rel, f"a file listed for {url}")) for rel in rels]
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
     if rels:
-        fs.get([f"{path}/{rel}" for rel in rels], [str(local_dir / rel) for rel in rels])
+        fs.get([f"{path}/{rel}" for rel in rels], [str(target) for target in targets])
 
 
 def remove_tree(url: str) -> None:

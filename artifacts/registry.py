@@ -19,6 +19,7 @@ wins, the other fails with `ChampionMoved` and changes nothing.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ from artifacts.errors import (
     DeterministicError,
     InputNotFoundError,
 )
-from artifacts.locations import filesystem, join, read_text_or_none
+from artifacts.locations import UnsafeName, check_name, filesystem, join, read_text_or_none
+from artifacts.signing import SIGNATURE, SignatureError, loads_verified, sign
 from artifacts.store import MANIFEST, ArtifactStore, check_output_dir, materialize, remote_manifest
 
 CHAMPION = "CHAMPION"
@@ -41,6 +43,20 @@ DECISIONS = "decisions"
 INFRA_REPORT = "infra_validation.json"
 # A history append that loses a race reads the file again and retries, this many times.
 HISTORY_ATTEMPTS = 5
+_logger = logging.getLogger(__name__)
+
+
+def check_version(version: Any, where: str) -> str:
+    """A version name read back from storage (CHAMPION, its `previous`, a listing),
+    refused unless it is one plain name: it is joined onto the registry's directory.
+
+    Raises:
+        UnsafeName: Naming `where`.
+    """
+    check_name(version, where)
+    if "/" in version:
+        raise UnsafeName(f"{where}: {version[:80]!r} is not one plain version name; refusing it")
+    return version
 
 
 class ChampionMoved(DeterministicError):
@@ -98,11 +114,17 @@ class Registry:
         if not self.remote:
             if not self.root.is_dir():
                 return []
-            return [
-                (path.name, json.loads((path / MANIFEST).read_text()))
-                for path in self.root.iterdir()
-                if not path.name.startswith(".") and (path / MANIFEST).is_file()
-            ]
+            found = []
+            for path in self.root.iterdir():
+                if path.name.startswith(".") or not (path / MANIFEST).is_file():
+                    continue
+                try:
+                    manifest = loads_verified((path / MANIFEST).read_text(), str(path / MANIFEST))
+                except SignatureError as err:
+                    _logger.warning("registry: ignoring %s: %s", path.name, err)
+                    continue
+                found.append((path.name, manifest))
+            return found
         fs, path = filesystem(self.url)
         fs.invalidate_cache(path)
         if not fs.exists(path):
@@ -111,6 +133,11 @@ class Registry:
         for entry in fs.ls(path, detail=True):
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             if entry["type"] != "directory" or name.startswith(".") or name == DECISIONS:
+                continue
+            try:
+                check_version(name, f"a version listed under {self.url}")
+            except UnsafeName as err:
+                _logger.warning("registry: %s", err)
                 continue
             manifest = remote_manifest(self._at(name), strict=False)
             if manifest is not None:
@@ -122,7 +149,9 @@ class Registry:
 
         Raises:
             InputNotFoundError: No such version.
+            UnsafeName: `version` is not one plain name.
         """
+        check_version(version, f"model {self.model_name!r} version")
         published = (
             remote_manifest(self._at(version), strict=False) is not None
             if self.remote
@@ -151,23 +180,57 @@ class Registry:
         return None if record is None else str(record["version"])
 
     def champion_record(self) -> dict[str, Any] | None:
+        """CHAMPION, verified: signed with the run key, its versions plain names.
+
+        Raises:
+            SignatureError: CHAMPION is unsigned or forged.
+            UnsafeName: Its `version` or `previous` would leave the registry.
+        """
         text = read_text_or_none(self._at(CHAMPION))
-        return None if text is None else json.loads(text)
+        return None if text is None else self._checked_champion(text)
+
+    def _checked_champion(self, text: str) -> dict[str, Any]:
+        where = str(self._at(CHAMPION))
+        record = loads_verified(text, where)
+        check_version(record.get("version"), f"{where} 'version'")
+        if record.get("previous") is not None:
+            check_version(record["previous"], f"{where} 'previous'")
+        return record
 
     def history(self) -> list[dict[str, Any]]:
-        """Every pointer move, oldest first."""
+        """Every pointer move, oldest first (lines that do not verify are left out, logged)."""
         text = read_text_or_none(self._at(HISTORY)) or ""
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        entries = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                entry = loads_verified(line, f"{self._at(HISTORY)} line {number}")
+                entries.append({k: v for k, v in entry.items() if k != SIGNATURE})
+            except SignatureError as err:
+                _logger.warning("registry: %s", err)
+        return entries
 
     def record_decision(self, version: str, decision: dict[str, Any]) -> Path | str:
         """Keep the blessing decision of `version` (the latest one wins)."""
+        check_version(version, "a model version")
         location = self._at(DECISIONS, f"{version}.json")
-        write_json(location, {"version": version, "decided_at": _now(), **decision})
+        write_json(location, sign({"version": version, "decided_at": _now(), **decision}))
         return location if self.remote else Path(location)
 
     def decision(self, version: str) -> dict[str, Any] | None:
-        text = read_text_or_none(self._at(DECISIONS, f"{version}.json"))
-        return None if text is None else json.loads(text)
+        """The blessing decision recorded for `version`; None when there is none, or when
+        it does not verify (logged: a forged decision blesses nothing)."""
+        location = self._at(DECISIONS, f"{check_version(version, 'a model version')}.json")
+        text = read_text_or_none(location)
+        if text is None:
+            return None
+        try:
+            record = loads_verified(text, str(location))
+        except SignatureError as err:
+            _logger.warning("registry: %s", err)
+            return None
+        return {k: v for k, v in record.items() if k != SIGNATURE}
 
     def verify(self, version: str) -> Path:
         """The package of `version`, checked against its manifest and infra report.
@@ -239,11 +302,14 @@ class Registry:
         self.verify(target)
         # The one before the target, so that repeated rollbacks walk back in time.
         before = [h for h in self.history() if h.get("version") == target]
+        previous = before[-1].get("previous") if before else None
+        if previous is not None:
+            check_version(previous, f"{self._at(HISTORY)} 'previous' of {target}")
         record = {
             "version": target,
             "promoted_at": _now(),
             "reason": f"{reason} (from {current['version']})",
-            "previous": before[-1].get("previous") if before else None,
+            "previous": previous,
         }
         self._move(record, tag)
         self._append_history({"event": "rollback", **record})
@@ -252,12 +318,12 @@ class Registry:
     def _read_champion(self) -> tuple[dict[str, Any] | None, str | None]:
         """The CHAMPION record and the version tag a conditional write compares."""
         text, tag = read_object(self._at(CHAMPION))
-        return (None if text is None else json.loads(text)), tag
+        return (None if text is None else self._checked_champion(text)), tag
 
     def _move(self, record: dict[str, Any], expected: str | None) -> None:
         """Write CHAMPION if it is still the version read as `expected` (the move itself)."""
         try:
-            write_json_if(self._at(CHAMPION), record, expected)
+            write_json_if(self._at(CHAMPION), sign(record), expected)
         except ConcurrentUpdate as err:
             now = self.champion()
             raise ChampionMoved(
@@ -268,7 +334,7 @@ class Registry:
             ) from err
 
     def _append_history(self, entry: dict[str, Any]) -> None:
-        line = json.dumps(entry, sort_keys=True) + "\n"
+        line = json.dumps(sign(entry), sort_keys=True) + "\n"
         if not self.remote:
             self.root.mkdir(parents=True, exist_ok=True)
             with open(self.root / HISTORY, "a") as handle:

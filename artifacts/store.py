@@ -42,6 +42,7 @@ checkpoints) is its local mirror (`artifacts.locations.local_mirror`).
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -64,8 +65,11 @@ from artifacts.durable import (
 from artifacts.errors import CorruptOutput, InputNotFoundError
 from artifacts.locations import (
     BUCKET_PROTOCOLS,
+    UnsafeName,
     as_location,
     check_location,
+    check_name,
+    check_under,
     download_files,
     etag,
     filesystem,
@@ -74,9 +78,11 @@ from artifacts.locations import (
     local_mirror,
     read_text_or_none,
     remove_tree,
+    safe_join,
     storage_errors,
     upload_files,
 )
+from artifacts.signing import Keyring, SignatureError, loads_verified, require_key, sign
 
 # The pipeline's stages, in order: the one place their names are spelled.
 Stage = Literal["ingest", "preprocess", "shard", "train", "evaluate", "export"]
@@ -86,6 +92,7 @@ DATA_STAGES: tuple[Stage, ...] = STAGES[:3]
 # The root when none is given: ./store beside where recforge runs.
 DEFAULT_ROOT = "store"
 MANIFEST = "_manifest.json"
+_logger = logging.getLogger(__name__)
 
 
 # Where `publish` calls its fault hook, in order (the chaos tests kill the process there).
@@ -138,6 +145,15 @@ class ArtifactStore:
     def output_url(self, stage: str, fp: str) -> str:
         """Where an output is published: its directory, or its URL for a remote root."""
         return self.location("stages", stage, fp)
+
+    def require_key(self) -> Keyring | None:
+        """The run key this store signs with; a remote root refuses to start without one.
+
+        Raises:
+            ConfigError: The root is an object-store URL and no signing key is set
+                (`artifacts.signing`); the message says how to set one.
+        """
+        return require_key(self.url, self.remote)
 
     def check_reachable(self) -> None:
         """Fail once, before any stage, when a remote root cannot be reached.
@@ -196,7 +212,7 @@ class ArtifactStore:
                 f"{problem}. Look for the cause (disk, a hand edit), then run the stage "
                 f"again with --force {stage} to replace it"
             )
-        return json.loads(manifest_path.read_text()), ""
+        return loads_verified(manifest_path.read_text(), str(manifest_path)), ""
 
     def is_published(self, stage: str, fp: str) -> bool:
         """Whether an output's manifest exists (not verified: the plan's cheap look)."""
@@ -225,7 +241,7 @@ class ArtifactStore:
         for rel in files:
             fsync_file(staging / rel)
         fault("before-manifest")
-        manifest = _manifest(stage, fp, files, meta)
+        manifest = sign(_manifest(stage, fp, files, meta))
         if fault is not no_fault:
             torn = json.dumps(manifest, indent=2, default=str)
             (staging / MANIFEST).write_text(torn[: len(torn) // 2])
@@ -280,7 +296,7 @@ class ArtifactStore:
             entries[rel] = {**entry, "etag": etag(info)}
         _chaos_fault(stage)("before-manifest")
         data = data_url.rstrip("/").rsplit("/", 1)[-1]
-        manifest = {**_manifest(stage, fp, entries, meta), "data": data}
+        manifest = sign({**_manifest(stage, fp, entries, meta), "data": data})
         write_json(join(url, MANIFEST), manifest)
         if previous and previous.get("data") and previous["data"] != data:
             remove_tree(join(url, previous["data"]))
@@ -297,47 +313,64 @@ class ArtifactStore:
         shutil.rmtree(staging, ignore_errors=True)
 
     def latest_output(self, pipeline: str, stage: str) -> str | None:
-        """The output a stage of this pipeline last published, if it still exists."""
-        pointer = self.read_latest_json(pipeline, f"{stage}.json")
-        if pointer is None:
+        """The output a stage of this pipeline last published, if it still exists.
+
+        Raises:
+            SignatureError: The pointer is not signed with the run key.
+            UnsafeName: It names a location outside this root's stage outputs.
+        """
+        location = self.location("latest", pipeline, f"{stage}.json")
+        text = read_text_or_none(location)
+        if text is None:
             return None
-        output = str(pointer["output"])
+        pointer = loads_verified(text, str(location))
+        output = check_under(
+            str(pointer.get("output")), self.location("stages", stage), f"{location} 'output'"
+        )
         if self.remote:
             return output if remote_manifest(output, strict=False) else None
         return output if Path(output).is_dir() else None
 
     def record_latest(self, pipeline: str, stage: str, output: str | Path) -> None:
         """Point ``latest/<pipeline>/<stage>.json`` at an output (replaced whole)."""
-        write_json(self.location("latest", pipeline, f"{stage}.json"), {"output": str(output)})
+        write_json(
+            self.location("latest", pipeline, f"{stage}.json"), sign({"output": str(output)})
+        )
 
     def read_latest_json(self, pipeline: str, name: str) -> dict | None:
-        """``latest/<pipeline>/<name>``, or None when there is none (or it does not parse)."""
-        text = read_text_or_none(self.location("latest", pipeline, name))
-        try:
-            return None if text is None else json.loads(text)
-        except json.JSONDecodeError:
+        """``latest/<pipeline>/<name>`` (signature removed), or None when there is none, or
+        when it does not parse or verify (logged: it is a hint, never a source of truth)."""
+        location = self.location("latest", pipeline, name)
+        text = read_text_or_none(location)
+        if text is None:
             return None
+        try:
+            record = loads_verified(text, str(location))
+        except SignatureError as err:
+            _logger.warning("ignoring %s: %s", location, err)
+            return None
+        return {k: v for k, v in record.items() if k != "signature"}
 
     def write_latest_json(self, pipeline: str, name: str, payload: dict) -> Path | str:
         """Replace ``latest/<pipeline>/<name>`` whole; returns its path (URL when remote)."""
         location = self.location("latest", pipeline, name)
-        write_json(location, payload)
+        write_json(location, sign(payload))
         return location if self.remote else Path(location)
 
     def write_run_record(self, run_id: str, record: dict) -> Path | str:
         """Write ``runs/<run_id>/summary.json`` whole; returns its path (URL when remote)."""
-        location = self.location("runs", run_id, "summary.json")
-        write_json(location, record)
+        location = safe_join(self.url, f"runs/{run_id}/summary.json", "a run id")
+        write_json(location, sign(record))
         return location if self.remote else Path(location)
 
     def model_location(self, model_name: str, version: str) -> Path | str:
         """Where ``registry/<model>/<version>`` is (a URL when remote)."""
-        location = self.location("registry", model_name, version)
+        location = safe_join(self.url, f"registry/{model_name}/{version}", "a model version")
         return location if self.remote else Path(location)
 
     def is_model_published(self, model_name: str, version: str) -> bool:
         """Whether ``registry/<model>/<version>`` holds a package manifest."""
-        location = self.location("registry", model_name, version)
+        location = safe_join(self.url, f"registry/{model_name}/{version}", "a model version")
         if self.remote:
             return remote_manifest(location, strict=False) is not None
         return (Path(location) / MANIFEST).is_file()
@@ -353,11 +386,16 @@ class ArtifactStore:
         Returns:
             The package's registry directory (its URL when remote).
         """
+        check_name(version, "a model version")
         if self.remote:
             local = materialize(package)
             url = self.location("registry", model_name, version)
-            _publish_tree(local, url, json.loads((local / MANIFEST).read_text()))
+            manifest = loads_verified((local / MANIFEST).read_text(), str(local / MANIFEST))
+            _publish_tree(local, url, manifest)
             return url
+        problem = check_output_dir(Path(package))
+        if problem:
+            raise CorruptOutput(f"the export package {package} does not verify: {problem}")
         final = self.root / "registry" / model_name / version
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = final.parent / f".staging-{version}-{uuid.uuid4().hex[:8]}"
@@ -383,7 +421,7 @@ def _publish_tree(local: Path, url: str, manifest: dict, fault: Any = None) -> d
     for rel, entry in files.items():
         entry["etag"] = etags[rel]
     (fault or no_fault)("before-manifest")
-    published = {**manifest, "files": files, "data": data}
+    published = sign({**manifest, "files": files, "data": data})
     write_json(join(url, MANIFEST), published)
     if previous and previous.get("data") and previous["data"] != data:
         remove_tree(join(url, previous["data"]))
@@ -413,9 +451,15 @@ def materialize(location: str | Path) -> Path:
             f"nothing is published at {url} (no {MANIFEST}); run the stage that writes it"
         )
     local = local_mirror(url)
-    if (local / MANIFEST).is_file() and not check_output_dir(local):
-        if json.loads((local / MANIFEST).read_text()) == manifest:
-            return local
+    if (local / MANIFEST).is_file() and json.loads((local / MANIFEST).read_text()) == manifest:
+        try:
+            if not check_output_dir(local):
+                return local
+        except (SignatureError, UnsafeName):
+            pass  # the copy is downloaded again, whole, below
+    # Every name the manifest lists is checked before anything is downloaded.
+    for rel in manifest["files"]:
+        check_name(rel, f"a file listed in {join(url, MANIFEST)}")
     staging = local.parent / f".staging-{local.name[:16]}-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     try:
@@ -438,12 +482,19 @@ def materialize(location: str | Path) -> Path:
 
 
 def remote_manifest(url: str, strict: bool = True) -> dict | None:
-    """The manifest published at `url`, None when there is none.
+    """The manifest published at `url`, verified (signature, names), None when there is none.
+
+    Its signature is checked first (`artifacts.signing`), then that its data prefix is
+    one plain name: only then may a caller use a single name or sha256 from it.
 
     Raises:
         CorruptOutput: With `strict`, the manifest does not parse.
+        SignatureError, UnsafeName: With `strict`, it is unsigned, forged or names a
+            data prefix outside its directory. Without `strict` each of these reads as
+            no manifest (logged).
     """
-    text = read_text_or_none(join(url, MANIFEST))
+    location = join(url, MANIFEST)
+    text = read_text_or_none(location)
     if text is None:
         return None
     try:
@@ -454,9 +505,20 @@ def remote_manifest(url: str, strict: bool = True) -> dict | None:
         if not strict:
             return None
         raise CorruptOutput(
-            f"{join(url, MANIFEST)} is not a valid manifest ({err}); run the stage "
+            f"{location} is not a valid manifest ({err}); run the stage "
             "again with --force to replace it"
         ) from err
+    try:
+        loads_verified(text, str(location))
+        if manifest.get("data"):
+            check_name(str(manifest["data"]), f"the data prefix in {location}")
+            if "/" in str(manifest["data"]):
+                raise UnsafeName(f"the data prefix in {location} is not one name")
+    except (SignatureError, UnsafeName) as err:
+        if strict:
+            raise
+        _logger.warning("ignoring %s: %s", location, err)
+        return None
     return manifest
 
 
@@ -498,7 +560,12 @@ def _manifest(stage: str, fp: str, files: dict, meta: dict) -> dict:
 
 
 def check_output_dir(out: Path) -> str:
-    """Why the output directory `out` does not match its manifest, or ""."""
+    """Why the output directory `out` does not match its manifest, or "".
+
+    Raises:
+        SignatureError: The manifest is not signed with the run key (a forgery).
+        UnsafeName: It lists a name outside `out`.
+    """
     manifest_path = out / MANIFEST
     if not manifest_path.exists():
         # Publishing renames a directory that already holds its manifest.
@@ -508,8 +575,9 @@ def check_output_dir(out: Path) -> str:
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         return f"{manifest_path} is not a valid manifest ({err})"
+    loads_verified(manifest_path.read_text(), str(manifest_path))
     for rel, entry in files.items():
-        path = out / rel
+        path = Path(safe_join(out, rel, f"a file listed in {manifest_path}"))
         if not path.exists():
             return f"{path} listed in the manifest is missing"
         if path.stat().st_size != entry["bytes"]:
@@ -526,6 +594,8 @@ def check_remote_output(url: str, manifest: dict) -> str:
     recorded one, its ETag (which changes whenever an object is written again).
     """
     data = join(url, manifest.get("data", ""))
+    for rel in manifest["files"]:
+        check_name(rel, f"a file listed in {join(url, MANIFEST)}")
     fs, path = filesystem(data)
     fs.invalidate_cache(path)
     listing = {

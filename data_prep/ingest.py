@@ -58,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from artifacts.errors import DataError, InputNotFoundError
 from artifacts.fingerprint import content_sha256
 from artifacts.locations import Location, as_location, close_output, join, open_output, write_text
-from data_prep.errors import SchemaError
+from data_prep.errors import SchemaError, preview
 from data_prep.preprocess import ordered_map
 from data_prep.readers import Format, TextBatch, read_batches
 from data_prep.schema import FieldSpec, SchemaConfig
@@ -661,11 +661,15 @@ def combine_reports(
     if result.bad_fraction > config.max_bad_fraction:
         top = ", ".join(f"{r} ({n})" for r, n in list(result.reasons.items())[:5])
         first = examples[0]
+        # The reason names the column; the row itself stays in the quarantine (a message
+        # reaches the logs, and the "row" may be a line of a credentials file).
         raise SchemaError(
             f"{result.bad_rows} of {total} rows ({result.bad_fraction:.1%}) failed validation, "
             f"above ingest.max_bad_fraction={config.max_bad_fraction}. Top reasons: {top}. "
-            f"First bad row: {first['source']} {first['location']}: {first['reason']}: "
-            f"{first['raw'][:200]}. Fix the schema or the data, or raise ingest.max_bad_fraction."
+            f"First bad row: {first['source']} {first['location']}: {first['reason']} "
+            f"(raw: {preview(first['raw'])}). Every bad row is kept, with its reason, in "
+            f"{join(out_dir, 'quarantine')}. Fix the schema or the data, or raise "
+            "ingest.max_bad_fraction."
         )
     return result
 

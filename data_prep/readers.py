@@ -33,6 +33,7 @@ Memory is bounded by the batch size plus one read block.
 
 import csv
 import json
+import re
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from data_prep.errors import SchemaError
+from data_prep.errors import SchemaError, preview
 from data_prep.schema import FieldSpec
 
 Format = Literal["csv", "tsv", "jsonl", "parquet"]
@@ -307,6 +308,16 @@ class _LineStream:
         return _SET_ASIDE + str(key).encode()
 
 
+def _arrow_problem(err: Exception) -> str:
+    """pyarrow's message for a message of ours, without the row it may quote.
+
+    Its CSV parse errors end with the row ("Expected 6 columns, got 1: <row>").
+    """
+    text = (str(err).splitlines() or [type(err).__name__])[0]
+    quoted = re.match(r"(CSV parse error: Expected \d+ columns?, got \d+)", text)
+    return quoted.group(1) if quoted else preview(text, 120)
+
+
 def _has_blank_line(piece: bytes) -> bool:
     """Whether ``piece`` holds ``\\n\\n`` or ``\\n\\r\\n``.
 
@@ -375,13 +386,18 @@ class _CsvReader:
             line = self.stream.read_header()
             if line is None:
                 return None
-            self.file_columns = self._split(line.decode("utf-8"))
+            text = line.decode("utf-8")
+            self.file_columns = self._split(text)
             missing = [n for n in self.names if n not in self.file_columns]
             if missing:
+                # The header's text, not its columns: a file that is no CSV at all (a
+                # credentials file) has its first line there.
+                number = self.stream.leading_blank_lines + 1
                 raise SchemaError(
-                    f"{self.url}: column(s) {missing} named in schema.fields are missing from "
-                    f"the header {self.file_columns}. Rename the schema fields, fix the file, "
-                    "or set ingest.header=false (and ingest.delimiter) if it has no header."
+                    f"{self.url} line {number}: column(s) {missing} named in schema.fields are "
+                    f"missing from the header ({len(self.file_columns)} column(s), "
+                    f"text: {preview(text)}). Rename the schema fields, fix the file, or set "
+                    "ingest.header=false (and ingest.delimiter) if it has no header."
                 )
         else:
             read_options["column_names"] = self.names
@@ -407,8 +423,9 @@ class _CsvReader:
             if "Empty CSV file" in str(err):
                 return None
             raise SchemaError(
-                f"{self.url}: cannot read the file as {self._describe()}: {err}. Fix the file or "
-                "set ingest.format, ingest.header and ingest.delimiter to match it."
+                f"{self.url}: cannot read the file as {self._describe()}: {_arrow_problem(err)}. "
+                "Fix the file or set ingest.format, ingest.header and ingest.delimiter to "
+                "match it."
             ) from err
 
     def _iterate(self, reader: pacsv.CSVStreamingReader) -> Iterator[pa.RecordBatch]:

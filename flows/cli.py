@@ -186,6 +186,12 @@ def _node_worker(args: argparse.Namespace) -> int:
         )
     if args.node_rank < 0:
         raise ConfigError(f"--node-rank {args.node_rank}: a node rank is 0 or more")
+    from artifacts.signing import HOW_TO_SET, KEY_BLOCK_ENV, keyring
+
+    if not os.environ.get(KEY_BLOCK_ENV) and keyring() is None:
+        # Node runs come from shared storage; without the run key nothing read from
+        # there could be told from a forgery.
+        raise ConfigError(f"recforge node-worker: no signing key; {HOW_TO_SET}")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from tasks.train_nodes import serve_node_worker
 
@@ -203,6 +209,12 @@ def _run(args: argparse.Namespace) -> int:
 
     # Validate before Prefect starts: a bad config fails in a second, with no retries.
     load_config(args.config, args.overrides)
+    if args.root is not None:
+        from artifacts.signing import KEY_BLOCK_ENV
+        from artifacts.store import ArtifactStore
+
+        if not os.environ.get(KEY_BLOCK_ENV):  # a block needs Prefect: the plan task
+            ArtifactStore(args.root).require_key()
     from flows.pipeline import RunParams, pipeline
 
     params = RunParams(
@@ -322,20 +334,23 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from prefect import serve
 
+    from flows.deploy import ALLOWED_ROOTS_ENV, allowed_roots
     from flows.pipeline import deployments
 
     name = args.name or config.name
-    serve(
-        *deployments(
-            args.config,
-            args.root,
-            name,
-            args.cron,
-            args.rerun_cron,
-            args.rerun_stage,
-            args.overrides,
-        )
+    built = deployments(
+        args.config,
+        args.root,
+        name,
+        args.cron,
+        args.rerun_cron,
+        args.rerun_stage,
+        args.overrides,
     )
+    # The runs start in this process: pin their allowed roots to this command's, so
+    # that editing the deployment's default root through the API cannot widen them.
+    os.environ.setdefault(ALLOWED_ROOTS_ENV, ",".join(allowed_roots(args.root)))
+    serve(*built)
     return 0
 
 

@@ -6,20 +6,159 @@ parameters, schedules) into a prefect.yaml and apply it with `prefect deploy --a
 The pull step sets the working directory to this checkout, so a worker on the same
 machine (or one with the checkout at the same path) can import the flows; replace it
 with a `git_clone` step for workers elsewhere.
+
+Whoever reaches the Prefect API can start a deployment run with parameters of their
+choosing, and the threat model does not trust them (docs/security.md). So a deployment
+run is held to what its operator allowed (`check_deployment_run`, at flow start, before
+anything is read or written):
+
+- `root` must lie under one of $RECFORGE_ALLOWED_ROOTS (comma-separated paths or URL
+  prefixes; default: the root the deployment was created with);
+- `config` must resolve, symlinks followed, under $RECFORGE_CONFIG_DIR (default: this
+  checkout's configs/);
+- an override of a field that says where data is read or written or where ranks run
+  (`LOCATION_FIELDS`, or its whole section) must be one of the deployment's own default
+  overrides; everything else is validated by the config as for `recforge run`.
+
+Set both variables where the flows run: in the environment of `recforge serve`, or of
+the work pool's workers.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+from uuid import UUID
 
 import prefect
 import yaml
+from prefect import runtime
 
 from artifacts.errors import ConfigError
-from artifacts.locations import is_remote
+from artifacts.locations import check_location, is_remote
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRYPOINTS = {"pipeline": "flows/pipeline.py:pipeline", "rerun": "flows/pipeline.py:rerun"}
+
+ALLOWED_ROOTS_ENV = "RECFORGE_ALLOWED_ROOTS"
+CONFIG_DIR_ENV = "RECFORGE_CONFIG_DIR"
+DEFAULT_CONFIG_DIR = REPO / "configs"
+
+# Overrides that point a stage at other data, another output or other machines; from a
+# deployment run they may only repeat the deployment's own (the config file is checked).
+LOCATION_FIELDS = (
+    "ingest.path",
+    "generate.out",
+    "train.hostfile",
+    "train.master_addr",
+    "train.master_port",
+    "train.ssh_port",
+)
+
+
+def check_deployment_run(config: str, root: str, overrides: list[str]) -> None:
+    """Refuse a deployment run's parameters outside what its operator allowed.
+
+    Nothing to check outside a deployment run (`recforge run`: whoever types it runs
+    the flow as themselves).
+
+    Raises:
+        ConfigError: Naming the parameter and what is allowed (see the module docstring).
+    """
+    deployment_id = runtime.deployment.id
+    if deployment_id is None:
+        return
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        defaults = client.read_deployment(UUID(str(deployment_id))).parameters or {}
+    check_root(root, allowed_roots(defaults.get("root")))
+    check_config_path(config, config_dir())
+    check_overrides(overrides, list(defaults.get("overrides") or []))
+
+
+def allowed_roots(default: str | None) -> list[str]:
+    """$RECFORGE_ALLOWED_ROOTS, or else `default` (the deployment's root), normalized."""
+    configured = os.environ.get(ALLOWED_ROOTS_ENV, "")
+    roots = [r.strip() for r in configured.split(",") if r.strip()] or [default or ""]
+    return [_normal_root(r, ALLOWED_ROOTS_ENV) for r in roots if r]
+
+
+def _normal_root(root: str, what: str) -> str:
+    """A URL without its trailing slash; a path absolute, symlinks resolved."""
+    location = check_location(root, what)
+    return str(location.resolve()) if isinstance(location, Path) else location
+
+
+def check_root(root: str, allowed: list[str]) -> None:
+    """Refuse `root` unless it is one of `allowed` or lies under one.
+
+    Raises:
+        ConfigError: It lies elsewhere, or a URL has an empty, '.' or '..' segment.
+    """
+    normal = _normal_root(root, "deployment parameter root")
+    segments = normal.partition("://")[2].split("/") if is_remote(normal) else []
+    if not any(s in ("", ".", "..") for s in segments) and any(
+        normal == prefix or normal.startswith(prefix.rstrip("/") + "/") for prefix in allowed
+    ):
+        return
+    raise ConfigError(
+        f"deployment parameter root={root[:200]!r} is not under the roots this deployment "
+        f"may use ({', '.join(allowed) or 'none'}); to allow it, set {ALLOWED_ROOTS_ENV} "
+        "(comma-separated paths or URL prefixes) where the flows run"
+    )
+
+
+def config_dir() -> Path:
+    """$RECFORGE_CONFIG_DIR, or this checkout's configs/, symlinks resolved."""
+    return Path(os.environ.get(CONFIG_DIR_ENV) or DEFAULT_CONFIG_DIR).resolve()
+
+
+def check_config_path(config: str, directory: Path) -> None:
+    """Refuse a config file unless it resolves (symlinks followed) under `directory`.
+
+    Raises:
+        ConfigError: A URL, a `..` segment, or a file elsewhere.
+    """
+    path = Path(config)
+    inside = path.resolve().is_relative_to(directory) and path.resolve() != directory
+    if "://" in config or ".." in path.parts or not inside:
+        raise ConfigError(
+            f"deployment parameter config={config[:200]!r}: a deployment run reads config "
+            f"files only under {directory} ({CONFIG_DIR_ENV}); put the file there, or set "
+            f"{CONFIG_DIR_ENV} where the flows run"
+        )
+
+
+def check_overrides(overrides: list[str], defaults: list[str]) -> None:
+    """Refuse an override of a `LOCATION_FIELDS` field (or its section) not in `defaults`.
+
+    Raises:
+        ConfigError: Naming the field and the deployment's own value for it.
+    """
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        field = next((f for f in LOCATION_FIELDS if f == key or f.startswith(key + ".")), None)
+        if field is None or override in defaults:
+            continue
+        own = [d for d in defaults if d.partition("=")[0].strip() == key] or ["none"]
+        raise ConfigError(
+            f"deployment parameter overrides: {key} says where data is read or written or "
+            f"where ranks run ({', '.join(LOCATION_FIELDS)}), so a deployment run may set "
+            f"it only as the deployment does ({', '.join(own)}); put it in the config file "
+            f"under {config_dir()}, or create the deployment with --set {key}=..."
+        )
+
+
+def check_deployment_defaults(config: str, root: str) -> None:
+    """Refuse to create a deployment whose own runs `check_deployment_run` would refuse.
+
+    Raises:
+        ConfigError: The config is outside the config directory, or the root outside
+            $RECFORGE_ALLOWED_ROOTS (when set).
+    """
+    check_config_path(config, config_dir())
+    check_root(root, allowed_roots(root))
 
 
 def prefect_yaml(
@@ -35,6 +174,7 @@ def prefect_yaml(
     """The prefect.yaml document (see `flows.pipeline.deployments` for the arguments)."""
     if rerun_cron and rerun_stage is None:
         raise ConfigError("a rerun schedule needs the stage it reruns: pass --rerun-stage")
+    check_deployment_defaults(config, root)
     defaults = {
         "config": str(Path(config).absolute()),
         "root": root if is_remote(root) else str(Path(root).absolute()),

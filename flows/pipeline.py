@@ -29,6 +29,7 @@ from artifacts.errors import ConfigError, StoreUnreachable
 from artifacts.locations import is_remote
 from artifacts.store import DEFAULT_ROOT, STAGES, ArtifactStore, Stage
 from flows.config import PipelineConfig, load_config
+from flows.deploy import check_deployment_defaults, check_deployment_run
 from tasks.common import Mode, StageOutput
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
@@ -121,7 +122,9 @@ def pipeline(
 
     The parameters are flat (not one RunParams object) so that a deployment run can
     change one of them: Prefect merges run parameters with the deployment's defaults by
-    top-level name. Their types are checked by the server before a run starts.
+    top-level name. Their types are checked by the server before a run starts; from a
+    deployment, their values are held to what the operator allowed before anything is
+    read or written (`flows.deploy.check_deployment_run`).
 
     Args:
         config: Pipeline YAML, e.g. configs/demo.yaml.
@@ -134,7 +137,11 @@ def pipeline(
     Returns:
         The path (URL for a remote root) of the run record,
         ``<root>/runs/<run_id>/summary.json``.
+
+    Raises:
+        ConfigError: A deployment run's root, config or an override is not allowed.
     """
+    check_deployment_run(config, root, overrides or [])
     params = RunParams(
         config=config,
         root=root,
@@ -168,7 +175,11 @@ def rerun(
 
     Returns:
         The path of the run record.
+
+    Raises:
+        ConfigError: A deployment run's root, config or an override is not allowed.
     """
+    check_deployment_run(config, root, overrides or [])
     params = RunParams(
         config=config,
         root=root,
@@ -398,9 +409,14 @@ def deployments(
             with the stage named in the run form).
         rerun_stage: The stage a scheduled rerun starts from (needed with `rerun_cron`).
         overrides: Default section.key=value overrides of both.
+
+    Raises:
+        ConfigError: No stage for `rerun_cron`; or the config or root is one the
+            deployment's own runs would refuse (`flows.deploy.check_deployment_defaults`).
     """
     if rerun_cron and rerun_stage is None:
         raise ConfigError("a rerun schedule needs the stage it reruns: pass --rerun-stage")
+    check_deployment_defaults(config, root)
     defaults = {
         "config": str(Path(config).absolute()),
         "root": root if is_remote(root) else str(Path(root).absolute()),

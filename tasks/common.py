@@ -21,7 +21,13 @@ from prefect.states import Completed, State
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
 
-from artifacts.errors import CorruptOutput, DeterministicError, InputNotFoundError, TransientError
+from artifacts.errors import (
+    ConfigError,
+    CorruptOutput,
+    DeterministicError,
+    InputNotFoundError,
+    TransientError,
+)
 from artifacts.fingerprint import code_version, fingerprint, module_closure
 from artifacts.locations import filesystem, is_remote, join, remove_tree
 from artifacts.store import (
@@ -324,3 +330,29 @@ def prefect_file_mapper(stage: Stage) -> Callable[[Callable[[int], Any], range],
             yield pending.popleft().result()
 
     return map_files
+
+
+def load_run_key(store: ArtifactStore) -> None:
+    """Make the run key available to this process and the ranks it starts, or refuse.
+
+    `$RECFORGE_SIGNING_KEY_BLOCK` names a Prefect Secret block holding the key: it is
+    read here (artifacts/ imports no Prefect) into `$RECFORGE_SIGNING_KEY`, which the
+    ranks inherit. Then `ArtifactStore.require_key`: a remote root without a key fails.
+
+    Raises:
+        ConfigError: A remote root and no key, or the block cannot be loaded.
+    """
+    from artifacts.signing import KEY_BLOCK_ENV, KEY_ENV
+
+    block = os.environ.get(KEY_BLOCK_ENV)
+    if block and not os.environ.get(KEY_ENV):
+        from prefect.blocks.system import Secret
+
+        try:
+            os.environ[KEY_ENV] = str(Secret.load(block).get())
+        except (ValueError, RuntimeError) as err:
+            raise ConfigError(
+                f"{KEY_BLOCK_ENV}={block}: cannot load that Prefect Secret block ({err}); "
+                f"create it (`Secret(value=...).save({block!r})`) or set {KEY_ENV}"
+            ) from err
+    store.require_key()

@@ -1,5 +1,6 @@
 """Prefect task for the ingest stage, with dataset checks against the previous run."""
 
+import hashlib
 import json
 from typing import Any
 
@@ -9,7 +10,15 @@ from prefect.context import FlowRunContext
 
 from artifacts import locations
 from artifacts.errors import ConfigError, DataError, StoreUnreachable
-from artifacts.locations import Location, as_location, is_remote, join, read_text_or_none
+from artifacts.locations import (
+    Location,
+    UnsafeName,
+    as_location,
+    is_remote,
+    join,
+    read_text_or_none,
+)
+from artifacts.signing import SignatureError
 from artifacts.store import DATA_STAGES, ArtifactStore, remote_manifest
 from data_prep.drift import DriftConfig, compare_stats, compute_stats
 from data_prep.ingest import (
@@ -77,7 +86,7 @@ def ingest_task(
 
     def produce(out_dir: Location) -> dict:
         result = ingest_in_parallel(config, schema, out_dir)
-        findings = _check_drift(store.latest_output(pipeline, "ingest"), out_dir, schema, drift)
+        findings = _check_drift(_previous_ingest(store, pipeline), out_dir, schema, drift)
         if findings and drift.policy == "fail":
             raise DataError(
                 f"dataset drift against the previous run (drift.policy=fail): "
@@ -224,6 +233,20 @@ def ingest_in_parallel(
     return combine_reports(config, out_dir, [reports[p] for p in sorted(reports)])
 
 
+def _previous_ingest(store: ArtifactStore, pipeline: str) -> str | None:
+    """The ingest output the drift check compares with, or None (then it is skipped).
+
+    A pointer that does not verify (forged, or written before the signing key was set)
+    or names a place outside the root is not followed; ingest goes on without the
+    comparison, and this run's output replaces the pointer.
+    """
+    try:
+        return store.latest_output(pipeline, "ingest")
+    except (SignatureError, UnsafeName) as error:
+        get_run_logger().warning("drift check skipped: %s", error)
+        return None
+
+
 def _check_drift(
     previous: str | None, out_dir: Location, schema: SchemaConfig, drift: DriftConfig
 ) -> list[dict]:
@@ -241,10 +264,16 @@ def _check_drift(
     locations.write_text(join(out_dir, STATS_FILE), json.dumps(stats, indent=1))
     if previous is None:
         return []
-    # Only the small stats file is read, not the previous output's events.
-    manifest = remote_manifest(previous, strict=False) if is_remote(previous) else None
+    # Only the small stats file is read, not the previous output's events, and only
+    # when the previous output's signed manifest vouches for its bytes.
+    manifest = remote_manifest(previous, strict=False)
+    listed = (manifest or {}).get("files", {}).get(STATS_FILE) or {}
     data = manifest.get("data", "") if manifest else ""
     text = read_text_or_none(join(previous, data, STATS_FILE))
-    if text is None:
+    if text is None or hashlib.sha256(text.encode()).hexdigest() != listed.get("sha256"):
+        if text is not None:
+            get_run_logger().warning(
+                "drift check skipped: %s/%s does not match its manifest", previous, STATS_FILE
+            )
         return []
     return compare_stats(json.loads(text), stats, drift).findings

@@ -25,7 +25,7 @@ from artifacts.fingerprint import code_version, fingerprint, library_versions
 from artifacts.store import STAGES, ArtifactStore, Stage
 from data_prep.ingest import describe_inputs
 from tasks import evaluate, ingest, preprocess
-from tasks.common import Mode, StageOutput, stage_modules, task_options
+from tasks.common import Mode, StageOutput, load_run_key, stage_modules, task_options
 from tasks.train_nodes import check_dispatch
 
 Action = Literal["run", "cached", "skip", "missing"]
@@ -281,9 +281,11 @@ def plan_task(config: Any, modes: dict[Stage, Mode], store: ArtifactStore) -> li
 
     Raises:
         StoreUnreachable: The artifact store's URL cannot be reached.
-        ConfigError: train.node_dispatch 'workers' without an object-store root or a
+        ConfigError: A remote root without a signing key (`tasks.common.load_run_key`);
+            train.node_dispatch 'workers' without an object-store root or a
             Prefect server the workers can reach (`tasks.train_nodes.check_dispatch`).
     """
+    load_run_key(store)
     store.check_reachable()
     check_dispatch(config.train, store.url)
     plans = plan_run(config, modes, store)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -24,6 +25,7 @@ from prefect.artifacts import create_markdown_artifact
 from artifacts.durable import file_sha256
 from artifacts.errors import DeterministicError
 from artifacts.registry import Registry
+from artifacts.signing import SIGNATURE, SignatureError, loads_verified, sign
 from artifacts.store import ArtifactStore
 from tasks.common import StageOutput, local_dir, upstream_dirs
 from training.blessing import BlessConfig, decide
@@ -62,8 +64,9 @@ def champion_metrics_on(
         json.dumps([champion, data, config.model_dump(mode="json")], sort_keys=True).encode()
     ).hexdigest()[:16]
     cached = registry.root / CHAMPION_EVALS / f"{champion}-{key}.json"
-    if cached.is_file():
-        return json.loads(cached.read_text()), f"champion {champion} scored earlier ({cached})"
+    metrics = cached_metrics(cached)
+    if metrics is not None:
+        return metrics, f"champion {champion} scored earlier ({cached})"
     with tempfile.TemporaryDirectory(prefix="recforge-champion-") as scratch:
         try:
             # The package's transform is ours (checked above): slice keys match the
@@ -79,8 +82,25 @@ def champion_metrics_on(
         except DeterministicError as error:
             return None, f"champion {champion} could not be scored on this data: {error}"
     cached.parent.mkdir(parents=True, exist_ok=True)
-    cached.write_text(json.dumps(metrics, indent=2) + "\n")
+    cached.write_text(json.dumps(sign(metrics), indent=2) + "\n")
     return metrics, f"champion {champion} scored on this run's {config.split} split"
+
+
+def cached_metrics(path: Path) -> dict[str, Any] | None:
+    """The champion's metrics scored earlier, or None: not scored, or not signed by us.
+
+    A forged score in the registry could let a worse candidate through the gate, so a
+    file whose signature does not verify is scored again (and logged), never trusted.
+    """
+    if not path.is_file():
+        return None
+    try:
+        metrics = loads_verified(path.read_text(), str(path))
+    except SignatureError as error:
+        logging.getLogger(__name__).warning("scoring the champion again: %s", error)
+        return None
+    metrics.pop(SIGNATURE, None)
+    return metrics
 
 
 @task(name="bless", task_run_name="bless", retries=0, persist_result=False)

@@ -6,7 +6,8 @@ only the artifact root. There, `<root>/checkpoints/train/<fp>` holds the resume
 checkpoints (node 0 uploads them; every node pulls the newest before its ranks start,
 dropping local ones that never got there, so all resume from one step) and
 `.../exchange/<attempt>` the files the ranks trade (`training.runtime.exchange`), a
-`STOP` object once any node has failed, and with node task workers the output node 0
+signed `STOP` object once any node has failed, and with node task workers the signed
+`spec.json` of the attempt, each node's signed `outcome-<I>.json` and the output node 0
 trained. Node 0 writes the stage's output. If one node fails, the others stop and the
 train task fails as a whole; its retry resumes every node from the shared checkpoint.
 
@@ -15,42 +16,69 @@ Where the node task runs go (`train.node_dispatch`):
 - 'workers': Prefect task workers, one per node (`recforge node-worker --node-rank I`,
   started on that node against the same Prefect API). Each node's task has a key of
   its own (`train_node_<I>`), so node I's run reaches node I's worker and node 0's the
-  machine at `train.master_addr`. The run's parameters (`NodeRunSpec`) and results go
-  through Prefect's task-scheduling and result storage, which a cluster points at
-  shared storage (PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK,
-  PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK). A node whose worker does not take its run
-  within `train.node_pickup_timeout_s` fails the stage naming the node, without retries.
+  machine at `train.master_addr`. A node whose worker does not take its run within
+  `train.node_pickup_timeout_s` fails the stage naming the node, without retries.
+
+What travels how, with workers: shared storage is not trusted (docs/security.md), and
+Prefect reads a background task's stored parameters and result with whatever serializer
+the stored record names, cloudpickle included, so no node run has Prefect parameters
+and nobody reads a node run's Prefect result. The train task writes the attempt's
+`NodeRunSpec` as signed JSON (`spec.json`) and tags each node run with the exchange
+(`recforge-exchange:<url>`, kept by the Prefect API, not by storage); the worker reads
+and verifies the spec, and each node leaves a signed `NodeOutcome` (node 0: its
+`TrainResult`, progress and output files with their sha256), which the train task
+verifies before it trusts a name in it. Everything is rebuilt with pydantic validation.
 """
 
 import hashlib
 import logging
 import os
+import re
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger, tags, task
 from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
 from prefect.exceptions import ObjectNotFound
 from prefect.futures import PrefectFuture, wait
 from prefect.settings import PREFECT_API_URL
 from prefect.states import State
+from pydantic import TypeAdapter, ValidationError
 
 from artifacts.checkpoint_mirror import CheckpointMirror
 from artifacts.durable import write_json
-from artifacts.errors import ConfigError, DeterministicError
-from artifacts.locations import download_files, is_remote, join, read_text_or_none, upload_files
+from artifacts.errors import (
+    ConcurrentUpdate,
+    ConfigError,
+    CorruptOutput,
+    DataError,
+    DeterministicError,
+    InputNotFoundError,
+    StoreUnreachable,
+)
+from artifacts.locations import (
+    UnsafeName,
+    check_name,
+    download_files,
+    is_remote,
+    join,
+    read_text_or_none,
+    upload_files,
+)
+from artifacts.signing import SIGNATURE, SignatureError, loads_verified, sign
 from artifacts.store import ArtifactStore, describe_files
-from tasks.common import StageOutput, upstream_dirs
+from tasks.common import StageOutput, load_run_key, upstream_dirs
 from tasks.progress import format_resume_line, train_progress
 from training.config import TrainConfig
-from training.errors import TrainingCrashed
+from training.errors import ParityError, Preempted, TrainingCrashed
 from training.runtime.hosts import node_hosts, read_hostfile, save_hostfile
 from training.runtime.launcher import (
     ERROR_PREFIX,
@@ -75,7 +103,26 @@ STOP_WAIT_S = 150.0
 STOP_OBJECT = "STOP"
 
 
+# A STOP object's message is kept this short: it ends up in every node's error and log.
+STOP_MESSAGE_CHARS = 300
+
+
+SPEC_OBJECT = "spec.json"
+
+
 OUTPUT_PREFIX = "output"
+
+
+# The tag that tells a node's worker where its attempt's exchange is (see the docstring).
+EXCHANGE_TAG = "recforge-exchange:"
+
+
+# An attempt's exchange: `<root>/checkpoints/train/<fp>/exchange/<uuid4 hex>`.
+_EXCHANGE = re.compile(r"^(?P<root>.+)/checkpoints/train/[0-9a-f]+/exchange/[0-9a-f]{32}$")
+
+
+# STOP objects found forged, each logged once per process.
+_ignored_stops: set[str] = set()
 
 
 Logger = logging.Logger | logging.LoggerAdapter
@@ -87,7 +134,7 @@ class NodeUnavailable(DeterministicError):
 
 @dataclass(frozen=True)
 class NodeRunSpec:
-    """What every node of one attempt needs; picklable, for a task worker elsewhere.
+    """What every node of one attempt needs; JSON (`to_json`), for a task worker elsewhere.
 
     Attributes:
         config: The train config (launcher 'per_node').
@@ -108,6 +155,73 @@ class NodeRunSpec:
     exchange: str
     hosts: list[tuple[str, int]]
     port: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as JSON-serializable data (the config via its pydantic dump)."""
+        return _SPEC.dump_python(self, mode="json")
+
+    @classmethod
+    def from_json(cls, record: Any) -> "NodeRunSpec":
+        """The spec `to_json` gave, validated (the config and outputs by pydantic).
+
+        Raises:
+            pydantic.ValidationError: A field is missing, unknown to the config or mistyped.
+        """
+        return _SPEC.validate_python(record)
+
+
+_SPEC = TypeAdapter(NodeRunSpec)
+
+
+@dataclass(frozen=True)
+class NodeOutcome:
+    """What a node's task run leaves in the exchange for the train task (signed JSON).
+
+    Attributes:
+        node: The node.
+        exchange: The attempt's exchange (an outcome copied from another attempt, signed
+            with the same key, is refused).
+        status: Whether its ranks trained to the end.
+        result: Node 0's TrainResult (its `out_dir` is the worker's; None elsewhere).
+        history: Node 0's progress records, in order.
+        files: Node 0's output files under `<exchange>/output`: {name: sha256}.
+        error: A failed node's exception type name.
+        deterministic: Whether that error is a DeterministicError (no retry helps).
+        message: The error's message, cut short.
+    """
+
+    node: int
+    exchange: str
+    status: Literal["completed", "failed"]
+    result: TrainResult | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+    deterministic: bool = False
+    message: str = ""
+
+
+_OUTCOME = TypeAdapter(NodeOutcome)
+
+
+# A failed node's error comes back by name; these are rebuilt as themselves, others as
+# DeterministicError or TrainingCrashed (by the outcome's `deterministic`).
+_KNOWN_ERRORS: dict[str, type[Exception]] = {
+    kind.__name__: kind
+    for kind in (
+        ConfigError,
+        InputNotFoundError,
+        DataError,
+        CorruptOutput,
+        StoreUnreachable,
+        ConcurrentUpdate,
+        SignatureError,
+        UnsafeName,
+        ParityError,
+        TrainingCrashed,
+        Preempted,
+    )
+}
 
 
 def node_work_dir(root: str, fp: str, index: int) -> Path:
@@ -212,7 +326,7 @@ class PerNodeRun:
         """dispatch 'workers': every node a task run for its node's task worker."""
         spec = self.spec
         nodes = spec.config.nodes
-        futures = [node_task(index).delay(spec, index) for index in range(nodes)]
+        futures = send_node_runs(spec)
         self.logger.info(
             "sent train-node-0 .. train-node-%d to the nodes' task workers "
             "(`recforge node-worker --node-rank I`); waiting up to %.0f s for each to start",
@@ -225,13 +339,112 @@ class PerNodeRun:
             if isinstance(state, BaseException):
                 failures.append((index, state))
             elif not state.is_completed():
-                failures.append((index, _node_error(futures[index], state)))
+                failures.append((index, _node_error(spec.exchange, index, state)))
         _raise_failures(failures, nodes)
-        outcome: dict = futures[0].result()
-        fetch_output(spec.exchange, outcome["files"], out_dir)
-        for record in outcome["history"]:
+        outcome = read_outcome(spec.exchange, 0)
+        if outcome is None or outcome.result is None:
+            raise TrainingCrashed(
+                f"node 0: its run completed but left no result at "
+                f"{outcome_location(spec.exchange, 0)}"
+            )
+        fetch_output(spec.exchange, outcome.files, out_dir)
+        for record in outcome.history:
             on_progress(record)
-        return replace(outcome["result"], out_dir=out_dir)
+        return replace(outcome.result, out_dir=out_dir)
+
+
+def send_node_runs(spec: NodeRunSpec) -> list[PrefectFuture]:
+    """Write the attempt's signed spec, then one run per node for the nodes' task workers.
+
+    The runs take no parameters (a worker would read them from storage, see the module
+    docstring); each is tagged with the exchange, where its worker finds the spec.
+    """
+    write_json(join(spec.exchange, SPEC_OBJECT), sign(spec.to_json()))
+    with tags(EXCHANGE_TAG + spec.exchange):
+        return [node_task(index).delay() for index in range(spec.config.nodes)]
+
+
+def exchange_of(run_tags: Iterable[str]) -> str:
+    """The exchange a node run's tags name (`send_node_runs`).
+
+    Raises:
+        ConfigError: No tag, several, or one that is not an attempt's exchange (the run
+            was not created by the train task).
+    """
+    found = [tag.removeprefix(EXCHANGE_TAG) for tag in run_tags if tag.startswith(EXCHANGE_TAG)]
+    if len(found) != 1 or not _EXCHANGE.match(found[0]):
+        raise ConfigError(
+            f"this node run has no {EXCHANGE_TAG}<root>/checkpoints/train/<fp>/exchange/<id> "
+            "tag; node runs are created by the train stage (train.node_dispatch: workers), "
+            "not by hand"
+        )
+    exchange = found[0]
+    check_name(exchange.partition("://")[2] or exchange.lstrip("/"), "the node run's exchange")
+    return exchange
+
+
+def read_spec(exchange: str) -> NodeRunSpec:
+    """The attempt's spec, once its signature checks out and its fields validate.
+
+    Raises:
+        SignatureError: `spec.json` is missing, unsigned, forged, or names another exchange.
+        DataError: It is signed but does not validate (the flow runs other recforge code).
+    """
+    location = join(exchange, SPEC_OBJECT)
+    text = read_text_or_none(location)
+    if text is None:
+        raise SignatureError(f"{location} does not exist; the train task writes it first")
+    record = loads_verified(text, str(location))
+    try:
+        spec = NodeRunSpec.from_json({k: v for k, v in record.items() if k != SIGNATURE})
+    except ValidationError as err:
+        raise DataError(
+            f"{location} is signed but not a valid node spec ({err.error_count()} problem(s), "
+            f"first: {err.errors()[0]['loc']}); run the same recforge on the flow's machine "
+            "and the nodes"
+        ) from err
+    if spec.exchange != exchange:
+        raise SignatureError(f"{location} is the spec of another attempt ({spec.exchange})")
+    return spec
+
+
+def outcome_location(exchange: str, index: int) -> str:
+    """Where node `index` leaves its `NodeOutcome`."""
+    return str(join(exchange, f"outcome-{index}.json"))
+
+
+def write_outcome(exchange: str, outcome: NodeOutcome) -> None:
+    """Leave a node's outcome in the exchange, signed with the run key."""
+    write_json(
+        outcome_location(exchange, outcome.node), sign(_OUTCOME.dump_python(outcome, mode="json"))
+    )
+
+
+def read_outcome(exchange: str, index: int) -> NodeOutcome | None:
+    """Node `index`'s outcome, once its signature checks out; None when it left none.
+
+    Raises:
+        SignatureError: The outcome is unsigned or forged, or names another node.
+        DataError: It is signed but does not validate.
+    """
+    location = outcome_location(exchange, index)
+    text = read_text_or_none(location)
+    if text is None:
+        return None
+    record = loads_verified(text, location)
+    try:
+        outcome = _OUTCOME.validate_python({k: v for k, v in record.items() if k != SIGNATURE})
+    except ValidationError as err:
+        raise DataError(
+            f"{location} is signed but not a valid node outcome ({err.error_count()} "
+            f"problem(s)); run the same recforge on the flow's machine and the nodes"
+        ) from err
+    if (outcome.node, outcome.exchange) != (index, exchange):
+        raise SignatureError(
+            f"{location} is node {outcome.node}'s outcome of {outcome.exchange}, not node "
+            f"{index}'s of this attempt; it was copied here"
+        )
+    return outcome
 
 
 def run_node(
@@ -291,7 +504,7 @@ def run_node(
     )
     watch.start()
     try:
-        reason = read_text_or_none(join(spec.exchange, STOP_OBJECT))
+        reason = read_stop(spec.exchange)
         if reason is not None:
             raise TrainingCrashed(f"node {index}: not started, the attempt is stopped: {reason}")
         mirror.pull(exact=True)
@@ -322,11 +535,13 @@ def node_task(index: int):  # noqa: ANN201 - a Prefect task
 
     Prefect routes a background task run to the workers serving its task key, which it
     derives from the function's name: each node's function has its own name, so node
-    I's run is taken only by a worker started with `--node-rank I`.
+    I's run is taken only by a worker started with `--node-rank I`. It takes no
+    parameters and its result is JSON that nobody reads back (see the module docstring).
     """
 
-    def train_node(spec: NodeRunSpec, index: int) -> dict[str, Any]:
-        return run_worker_node(spec, index)
+    def train_node() -> str:
+        run = TaskRunContext.get().task_run
+        return run_worker_node(index, exchange_of(run.tags))
 
     train_node.__name__ = train_node.__qualname__ = f"train_node_{index}"
     return task(
@@ -334,16 +549,49 @@ def node_task(index: int):  # noqa: ANN201 - a Prefect task
         task_run_name=f"train-node-{index}",
         retries=0,
         cache_policy=NO_CACHE,
+        result_serializer="json",
     )(train_node)
 
 
-def run_worker_node(spec: NodeRunSpec, index: int) -> dict[str, Any]:
+def run_worker_node(index: int, exchange: str) -> str:
     """In node `index`'s task worker: train this node's ranks; node 0 uploads the output.
 
+    The spec comes from the exchange, signed; the outcome goes there, signed, also when
+    the node fails (the train task rebuilds its error from it).
+
     Returns:
-        {"result": node 0's TrainResult (None elsewhere), "history": its progress
-        records, "files": {output file: sha256} under `<exchange>/output`}.
+        Where the outcome is (`outcome_location`).
+
+    Raises:
+        ConfigError: A remote exchange and no signing key on this node.
+        SignatureError: The spec is not the train task's.
     """
+    load_run_key(ArtifactStore(_EXCHANGE.match(exchange)["root"]))
+    try:
+        spec = read_spec(exchange)
+        outcome = _train_worker_node(spec, index)
+    except BaseException as error:
+        failed = NodeOutcome(
+            node=index,
+            exchange=exchange,
+            status="failed",
+            error=type(error).__name__,
+            deterministic=isinstance(error, DeterministicError),
+            message=str(error)[:2000],
+        )
+        try:
+            write_outcome(exchange, failed)
+        except Exception as failure:  # noqa: BLE001 - the node's own error is what matters
+            logging.getLogger(__name__).warning(
+                "could not leave node %d's outcome: %s", index, failure
+            )
+        raise
+    write_outcome(exchange, outcome)
+    return outcome_location(exchange, index)
+
+
+def _train_worker_node(spec: NodeRunSpec, index: int) -> NodeOutcome:
+    """Train node `index`'s ranks here; node 0's outcome names its uploaded output."""
     logger = get_run_logger()
     out_dir = node_work_dir(spec.root, spec.fp, index) / "out"
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -370,7 +618,14 @@ def run_worker_node(spec: NodeRunSpec, index: int) -> dict[str, Any]:
     if index == 0:
         files = publish_output(out_dir, spec.exchange)
     shutil.rmtree(out_dir.parent, ignore_errors=True)
-    return {"result": result, "history": history, "files": files}
+    return NodeOutcome(
+        node=index,
+        exchange=spec.exchange,
+        status="completed",
+        result=result,
+        history=history,
+        files=files,
+    )
 
 
 def serve_node_worker(index: int) -> None:
@@ -404,22 +659,52 @@ def fetch_output(exchange: str, files: dict[str, str], out_dir: Path) -> None:
 
 
 def request_stop(exchange: str, index: int, error: BaseException) -> None:
-    """Tell every node of the attempt to stop (best effort: the store may be the failure)."""
+    """Tell every node of the attempt to stop (best effort: the store may be the failure).
+
+    The STOP object is signed and names its attempt: only a node of the job can stop the
+    others.
+    """
+    record = {
+        "exchange": exchange,
+        "node": index,
+        "error": type(error).__name__,
+        "message": str(error)[:STOP_MESSAGE_CHARS],
+    }
     try:
-        write_json(
-            join(exchange, STOP_OBJECT),
-            {"node": index, "error": type(error).__name__, "message": str(error)[:2000]},
-        )
+        write_json(join(exchange, STOP_OBJECT), sign(record))
     except Exception as failure:  # noqa: BLE001 - the node's own error is what matters
         logging.getLogger(__name__).warning("could not write the STOP object: %s", failure)
 
 
+def read_stop(exchange: str) -> str | None:
+    """Why the attempt was stopped, from a STOP object a node of the job signed; else None.
+
+    Anyone who can write to the bucket can write a STOP object: one that is unsigned,
+    forged or copied from another attempt stops nothing and is logged once, without its
+    text.
+    """
+    location = str(join(exchange, STOP_OBJECT))
+    text = read_text_or_none(location)
+    if text is None:
+        return None
+    try:
+        record = loads_verified(text, location)
+        if record.get("exchange") != exchange:
+            raise SignatureError(f"{location} is the STOP object of another attempt")
+    except SignatureError as err:
+        if location not in _ignored_stops:
+            _ignored_stops.add(location)
+            logging.getLogger(__name__).warning("ignoring the STOP object: %s", err)
+        return None
+    reason = f"node {record.get('node')} failed ({record.get('error')}): {record.get('message')}"
+    return reason[: STOP_MESSAGE_CHARS + 100]
+
+
 def _watch_stop(exchange: str, stop: threading.Event, done: threading.Event) -> None:
-    """Set `stop` once the attempt's STOP object exists; ends when `done` is set."""
-    location = join(exchange, STOP_OBJECT)
+    """Set `stop` once the attempt has a signed STOP object; ends when `done` is set."""
     while not done.wait(POLL_S):
         try:
-            if read_text_or_none(location) is not None:
+            if read_stop(exchange) is not None:
                 stop.set()
         except Exception:  # noqa: BLE001, S112 - a store hiccup: look again
             continue
@@ -485,13 +770,24 @@ def _state_of(future: PrefectFuture) -> State | None:
         return None
 
 
-def _node_error(future: PrefectFuture, state: State) -> BaseException:
-    """The exception a failed node run raised, or one made from its state's message."""
+def _node_error(exchange: str, index: int, state: State) -> BaseException:
+    """The error a failed node run left in its signed outcome, rebuilt by name.
+
+    Without an outcome (the node's machine died, the store failed) the run's state
+    stands for it. The run's Prefect result, which would hold the exception, is not read.
+    """
     try:
-        future.result(raise_on_failure=True)
-    except BaseException as error:  # noqa: BLE001 - the node's error, returned
+        outcome = read_outcome(exchange, index)
+    except DataError as error:  # forged or garbled: that is the failure
         return error
-    return TrainingCrashed(f"{state.name}: {state.message}")
+    if outcome is None or outcome.status != "failed":
+        return TrainingCrashed(f"{state.name}: {state.message}")
+    kind = _KNOWN_ERRORS.get(outcome.error)
+    if kind is not None:
+        return kind(outcome.message)
+    if outcome.deterministic:
+        return DeterministicError(f"{outcome.error}: {outcome.message}")
+    return TrainingCrashed(f"{outcome.error}: {outcome.message}")
 
 
 def _raise_failures(failures: list[tuple[int, BaseException]], nodes: int) -> None:

@@ -22,6 +22,10 @@ atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
 os.environ["RECFORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="recforge-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["RECFORGE_CACHE_DIR"], ignore_errors=True)
 
+# Every manifest the tests write is signed, as on shared storage; the tests of a run
+# without a key (a local root works, a remote one refuses) unset it themselves.
+os.environ["RECFORGE_SIGNING_KEY"] = "recforge-tests-" + "0123456789abcdef" * 3
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "datasets"
 

@@ -69,11 +69,24 @@ def test_only_the_stages_module_imports_both_families():
     assert both == ["training/stages.py"]
 
 
+# The only environment reads in the libraries, each for a reason no argument can serve:
+# path -> how many times the file may say os.environ.
+ENVIRONMENT_READERS = {
+    # The rank entry point: DeepSpeed's launcher hands each rank RANK, MASTER_ADDR and
+    # MASTER_PORT there, and the rendezvous binds to them before torch reads them.
+    "training/runtime/rank.py": 1,
+    # A launcher that inherits this process's environment redacts its secret values
+    # from launcher.log and the tail (docs/security.md).
+    "training/runtime/launcher.py": 1,
+}
+
+
 def test_libraries_read_no_environment():
     for package in ("data_prep", "training"):
         for path in (REPO / package).rglob("*.py"):
             text = path.read_text()
-            assert "os.environ" not in text and "getenv" not in text, path
+            allowed = ENVIRONMENT_READERS.get(str(path.relative_to(REPO)), 0)
+            assert text.count("os.environ") <= allowed and "getenv" not in text, path
 
 
 # Inside training/: two model families share one runtime and never borrow from each other.

@@ -10,9 +10,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from artifacts.errors import ConfigError
+from training.runtime.hosts import host_problem, not_a_host
 
 SEQUENCE_MODELS = ("sasrec", "bst")
 
@@ -410,7 +411,8 @@ class TrainConfig(BaseModel):
     )
     master_addr: str = Field(
         "127.0.0.1",
-        description="Rendezvous address: node 0's address that every node can reach.",
+        description="Rendezvous address: node 0's address that every node can reach, a "
+        "hostname or an IP address; rank 0's rendezvous store listens on it only.",
     )
     master_port: int | None = Field(
         None,
@@ -439,6 +441,19 @@ class TrainConfig(BaseModel):
     )
     seed: int = Field(0, description="Seed of python, numpy and torch on every rank.")
     log_every: int = Field(20, ge=1, description="Report progress every this many steps.")
+
+    @field_validator("master_addr")
+    @classmethod
+    def _check_master_addr(cls, value: str) -> str:
+        # It reaches DeepSpeed's launcher command line, and with launcher 'ssh' the shell
+        # command pdsh runs on every host.
+        problem = host_problem(value)
+        if problem is not None:
+            raise ValueError(
+                f"train.master_addr={not_a_host(value, problem)}; set node 0's hostname or "
+                "IP address"
+            )
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -148,12 +148,24 @@ def test_run_record_and_registry(tmp_path):
     store = ArtifactStore(tmp_path)
     path = store.write_run_record("r1", {"status": "completed"})
     assert path == tmp_path / "runs" / "r1" / "summary.json"
-    assert json.loads(path.read_text()) == {"status": "completed"}
+    record = json.loads(path.read_text())
+    assert record.pop("signature")["key_id"]
+    assert record == {"status": "completed"}
+    staging = store.new_staging("export", "e" * 64)
+    (staging / "model.onnx").write_bytes(b"onnx")
+    store.publish("export", "e" * 64, staging, {})
+    model = store.publish_model("ctr", "abc", store.output_dir("export", "e" * 64))
+    assert (model / "model.onnx").read_bytes() == b"onnx"
+
+
+def test_a_package_without_a_verified_manifest_is_not_published(tmp_path):
+    store = ArtifactStore(tmp_path)
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "model.onnx").write_bytes(b"onnx")
-    model = store.publish_model("ctr", "abc", package)
-    assert (model / "model.onnx").read_bytes() == b"onnx"
+    with pytest.raises(CorruptOutput, match="_manifest.json is missing"):
+        store.publish_model("ctr", "abc", package)
+    assert not (tmp_path / "registry" / "ctr" / "abc").exists()
 
 
 @pytest.mark.parametrize("root", ["s3:/bucket/x", "s3:bucket/x", "s3://", "gs:///"])

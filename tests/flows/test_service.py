@@ -266,7 +266,7 @@ def test_bad_parameters_are_rejected_before_any_stage_runs(server, served):
     assert rc != 0 and "'bogus' is not one of" in " ".join(output.split()), output
     assert triggered() == before  # nothing was created
 
-    missing = served["root"] / "nope.yaml"
+    missing = REPO / "configs" / "nope.yaml"
     rc, output, flow_run_id = trigger(server, "recforge-pipeline/tiny", f"config={missing}")
     assert rc == 0, output  # the type is right; the flow refuses it at once
     run = wait_for(server, flow_run_id)
@@ -275,6 +275,20 @@ def test_bad_parameters_are_rejected_before_any_stage_runs(server, served):
     assert task_states(server, flow_run_id) == {}  # not even the plan ran
     failure = artifacts(server, flow_run_id)["failure"]
     assert "before any stage ran" in failure and str(missing) in failure
+
+    # A config outside configs/ or a root the deployment was not created with: refused
+    # at flow start, naming the setting that would allow it.
+    elsewhere = served["root"].parent / "elsewhere"
+    for param, allowed_by in (
+        (f"config={served['root'] / 'mine.yaml'}", "RECFORGE_CONFIG_DIR"),
+        (f"root={elsewhere}", "RECFORGE_ALLOWED_ROOTS"),
+    ):
+        rc, output, flow_run_id = trigger(server, "recforge-pipeline/tiny", param)
+        assert rc == 0, output
+        run = wait_for(server, flow_run_id)
+        assert run["state"]["type"] == "FAILED" and allowed_by in run["state"]["message"]
+        assert task_states(server, flow_run_id) == {}
+    assert not elsewhere.exists()
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")

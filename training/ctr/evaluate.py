@@ -60,12 +60,11 @@ or a split of one file, scores in this process without a launcher.
 from __future__ import annotations
 
 import json
-import pickle
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
@@ -85,7 +84,15 @@ from training.ctr.data import (
     model_columns,
     to_batch,
 )
-from training.ctr.metrics import AUCAccumulator, CTRStats, GroupedAUC, ReliabilityBins, SliceMetrics
+from training.ctr.metrics import (
+    AUCAccumulator,
+    BucketedAUC,
+    CTRStats,
+    ExactAUC,
+    GroupedAUC,
+    ReliabilityBins,
+    SliceMetrics,
+)
 from training.ctr.model import CTRModel, load_model
 from training.runtime.evaluate_ranks import RankLaunch, launch_and_collect
 from training.runtime.launcher import EVALUATE_RANK_ERRORS
@@ -109,7 +116,9 @@ MAX_SLICE_VALUES = 1000
 _USER_HASH_BUCKETS = 2**62
 
 
-_RESULT_FILE = "merged.pkl"
+# Rank 0's merged accumulators (an .npz: arrays and one JSON skeleton, loaded without
+# pickle; see `write_accumulators`).
+_RESULT_FILE = "merged.npz"
 
 
 _WORKER_MODULE = "training.ctr.evaluate_worker"
@@ -463,14 +472,117 @@ def _score_in_ranks(
         f"scoring split {plan.config.split!r} of {plan.shards_dir}",
         "evaluate.batch_size",
         launch,
-        _unpickle,
+        read_accumulators,
     )
 
 
-def _unpickle(path: Path) -> _Accumulators:
-    # Our own ranks' file, just written by rename: pickle is safe to load here.
-    with path.open("rb") as file:
-        return pickle.load(file)
+# The classes an accumulators file may hold: its skeleton names nothing else.
+_STATE_CLASSES = {
+    cls.__name__: cls
+    for cls in (
+        AUCAccumulator,
+        BucketedAUC,
+        CTRStats,
+        ExactAUC,
+        GroupedAUC,
+        ReliabilityBins,
+        SliceMetrics,
+        _Accumulators,
+    )
+}
+_SKELETON = "skeleton"
+
+
+def write_accumulators(file: IO[bytes], merged: _Accumulators) -> None:
+    """Write accumulators as an .npz: their arrays, and a JSON skeleton of the rest.
+
+    The skeleton holds every attribute of every accumulator (JSON numbers are exact for
+    Python floats and ints), each array as the name of its .npz member; a list of arrays
+    (a part's batches) goes as one concatenated member and its lengths. The reader
+    rebuilds the same state, so the metrics are those of the accumulators rank 0 merged.
+    No pickle either way: the file loads with `np.load(allow_pickle=False)`.
+
+    Args:
+        file: An open binary file (np.savez adds no ".npz" to a file object).
+        merged: The accumulators.
+
+    Raises:
+        TypeError: An accumulator holds a value the format has no place for.
+    """
+    arrays: dict[str, np.ndarray] = {}
+    skeleton = json.dumps(_encode(merged, arrays))
+    np.savez(file, **arrays, **{_SKELETON: np.array(skeleton)})
+
+
+def read_accumulators(path: Path) -> _Accumulators:
+    """The accumulators `write_accumulators` wrote to `path`.
+
+    Raises:
+        ValueError: The file is not such an .npz (it names a class outside the metric
+            accumulators, or an array it lacks).
+    """
+    with np.load(path, allow_pickle=False) as saved:
+        arrays = {name: saved[name] for name in saved.files}
+    try:
+        skeleton = json.loads(str(arrays.pop(_SKELETON)))
+        merged = _decode(skeleton, arrays)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path} is not an evaluate accumulators file: {error}") from error
+    if not isinstance(merged, _Accumulators):
+        raise ValueError(f"{path} holds a {type(merged).__name__}, not evaluate accumulators")
+    return merged
+
+
+def _encode(value: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """`value` as JSON values, its arrays moved into `arrays` (see `write_accumulators`)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, np.ndarray | np.generic):
+        name = f"a{len(arrays)}"
+        arrays[name] = np.asarray(value)
+        return {"array": name}
+    if isinstance(value, list) and _are_batches(value):
+        name = f"a{len(arrays)}"
+        arrays[name] = np.concatenate(value)
+        return {"batches": name, "lengths": [len(batch) for batch in value]}
+    if isinstance(value, list | tuple):
+        return {type(value).__name__: [_encode(item, arrays) for item in value]}
+    if isinstance(value, dict):
+        return {"dict": [[_encode(k, arrays), _encode(v, arrays)] for k, v in value.items()]}
+    if type(value).__name__ in _STATE_CLASSES:
+        fields = {name: _encode(field, arrays) for name, field in vars(value).items()}
+        return {"object": type(value).__name__, "fields": fields}
+    raise TypeError(f"cannot write a {type(value).__name__} into an accumulators file")
+
+
+def _are_batches(value: list) -> bool:
+    """A non-empty list of arrays that concatenate along axis 0 (same dtype and rows)."""
+    if not value or not all(isinstance(item, np.ndarray) and item.ndim for item in value):
+        return False
+    first = value[0]
+    return all(item.dtype == first.dtype and item.shape[1:] == first.shape[1:] for item in value)
+
+
+def _decode(value: Any, arrays: Mapping[str, np.ndarray]) -> Any:
+    """The value `_encode` wrote; objects only of `_STATE_CLASSES`, built without __init__."""
+    if not isinstance(value, dict):
+        return value
+    if "array" in value:
+        array = arrays[value["array"]]
+        return array[()] if array.ndim == 0 else array
+    if "batches" in value:
+        ends = np.cumsum(value["lengths"])[:-1]
+        return list(np.split(arrays[value["batches"]], ends))
+    if "list" in value:
+        return [_decode(item, arrays) for item in value["list"]]
+    if "tuple" in value:
+        return tuple(_decode(item, arrays) for item in value["tuple"])
+    if "dict" in value:
+        return {_decode(k, arrays): _decode(v, arrays) for k, v in value["dict"]}
+    cls = _STATE_CLASSES[value["object"]]
+    obj = cls.__new__(cls)
+    vars(obj).update({name: _decode(field, arrays) for name, field in value["fields"].items()})
+    return obj
 
 
 def _score_files(

@@ -4,8 +4,9 @@ Reads the launch spec written by `training.ctr.evaluate` (the `_ScoringPlan` as 
 number of ranks, where the merged result goes), the model in the plan's `train_dir` and
 this rank's files of the split: every `world_size`-th file from file `rank`, as one
 process would score them (`training.ctr.evaluate._score_files`). Rank 0 merges every
-rank's accumulators in rank order and writes the merged `_Accumulators` as a pickle to
-the spec's `result_file`; `evaluate_model` writes metrics.json from that pickle alone.
+rank's accumulators in rank order and writes the merged `_Accumulators` to the spec's
+`result_file` as an .npz (`training.ctr.evaluate.write_accumulators`: arrays and a JSON
+skeleton, no pickle); `evaluate_model` writes metrics.json from that file alone.
 
 Everything else a rank does is `training.runtime.evaluate_ranks.run_evaluate_rank`'s.
 """
@@ -13,13 +14,12 @@ Everything else a rank does is `training.runtime.evaluate_ranks.run_evaluate_ran
 from __future__ import annotations
 
 import json
-import pickle
 import sys
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import Any
 
 from training.ctr.data import load_dataset_meta
-from training.ctr.evaluate import _Accumulators, _score_files, _ScoringPlan
+from training.ctr.evaluate import _Accumulators, _score_files, _ScoringPlan, write_accumulators
 from training.ctr.model import load_model
 from training.runtime.evaluate_ranks import run_evaluate_rank
 from training.runtime.rank import rank_main
@@ -43,7 +43,7 @@ def run(spec: dict[str, Any]) -> None:
         model, _ = load_model(plan.train_dir)
         return _score_files(plan, model, load_dataset_meta(plan.shards_dir), rank, world_size)
 
-    run_evaluate_rank(spec, "min(evaluate.workers, files)", score, _merge, _pickle)
+    run_evaluate_rank(spec, "min(evaluate.workers, files)", score, _merge, write_accumulators)
 
 
 def _merge(parts: Sequence[_Accumulators]) -> _Accumulators:
@@ -51,10 +51,6 @@ def _merge(parts: Sequence[_Accumulators]) -> _Accumulators:
     for other in parts[1:]:
         merged.merge(other)
     return merged
-
-
-def _pickle(file: IO[bytes], merged: _Accumulators) -> None:
-    pickle.dump(merged, file, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ non-zero; the launcher then stops the other ranks.
 from __future__ import annotations
 
 import json
+import pickle
 import resource
 import sys
 import time
@@ -59,7 +60,7 @@ import torch.nn.functional as F
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from safetensors.torch import load_file, save_file
 
-from artifacts.checkpoints import CheckpointStore
+from artifacts.checkpoints import CheckpointCorrupt, CheckpointStore
 from artifacts.errors import ConfigError
 from training.config import TrainConfig
 from training.ctr.consolidate import TABLE_NAME, table_chunks
@@ -108,6 +109,40 @@ from training.runtime.rank import (
 )
 
 
+def load_rank_state(path: Path) -> dict[str, Any]:
+    """One rank's RNG states and reader position from a resume checkpoint (`rank-RRRRR.pt`).
+
+    The file comes back from shared storage, so it is read with `weights_only=True`:
+    tensors and plain values only (`training.runtime.rank.rng_state`), never a pickle
+    that could run code.
+
+    Args:
+        path: The checkpoint's `rank-RRRRR.pt`.
+
+    Returns:
+        {"rng": the `rng_state()` saved, "reader": the reader position (when saved)}.
+
+    Raises:
+        CheckpointCorrupt: The file holds anything else: objects other than tensors and
+            plain values (a tampered file, or one written before this format), or not
+            that dict.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointCorrupt(
+            f"{path} holds objects a weights-only load refuses (a tampered file, or one "
+            "written by an older recforge); it was not unpickled. Delete that checkpoint "
+            f"directory ({path.parent}) to resume from an earlier one or start over"
+        ) from error
+    if not isinstance(state, dict) or not isinstance(state.get("rng"), dict):
+        raise CheckpointCorrupt(
+            f"{path} is not a rank state ({{'rng': ..., 'reader': ...}}); delete that "
+            f"checkpoint directory ({path.parent}) to resume from an earlier one"
+        )
+    return state
+
+
 def load_resume_point(
     point: ResumePoint,
     engine: deepspeed.DeepSpeedEngine,
@@ -140,12 +175,11 @@ def load_resume_point(
             ]
             state = reshard_state(shards, num_rows, rank, world_size)
         sparse.load_state_dict(state)
-    # Our own file, its sha256 verified by the store: numpy's RNG state needs pickle. The
-    # reader position is global (every rank takes the same steps), so rank 0's serves any
-    # new rank; a new rank without a file of its own takes rank 0's RNG states.
+    # The reader position is global (every rank takes the same steps), so rank 0's serves
+    # any new rank; a new rank without a file of its own takes rank 0's RNG states.
     own = point.path / rank_state_file(rank)
-    first = torch.load(point.path / rank_state_file(0), weights_only=False)
-    state = torch.load(own, weights_only=False) if own.is_file() else first
+    first = load_rank_state(point.path / rank_state_file(0))
+    state = load_rank_state(own) if own.is_file() else first
     if "rng" not in skip_restore:
         set_rng_state(state["rng"])
     if "reader" not in skip_restore:

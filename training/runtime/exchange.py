@@ -15,10 +15,22 @@ the scratch prefix, "ranks_per_node"}); without it `NodeExchange.share` only
 synchronises the ranks. Why a file exchange rather than torch.distributed: the parts
 are files written by DeepSpeed's own `save_checkpoint`, streamed from disk to the
 object store and back, never held whole in a rank's memory.
+
+Nodes prove who they are (docs/security.md): after uploading its files, each node's
+first rank writes a signed index beside them, ``node-XXXXX.json`` = {"attempt": the
+scratch prefix (unique to the attempt), "name", "node", "files": {rel: {"size",
+"sha256"}}}. A reader reads only the indexes of nodes ``0 .. nodes-1``, and only once
+their signature, attempt, name and node check out; it joins each name under the
+directory with `safe_join`, downloads to a ``.part`` file and moves it into place only
+once its size and sha256 match the index. Anything else under the prefix (a
+``node-99999`` of someone with write access to the bucket, a file no index names) is
+ignored and logged once.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +38,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from artifacts.durable import file_sha256
 from artifacts.errors import DataError
+from artifacts.locations import safe_join
+from artifacts.signing import loads_verified, sign
+
+_logger = logging.getLogger(__name__)
+_ignored: set[str] = set()  # what was logged as ignored, once each
 
 
 class NodeExchange:
@@ -99,36 +117,117 @@ class NodeExchange:
         fs, base = fsspec.core.url_to_fs(f"{self.url}/{name}")
         dist.barrier()  # every rank's part of `directory` is written
         if self.local_rank == 0:
-            for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-                target = f"{base}/node-{self.node:05d}/{path.relative_to(directory)}"
-                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)  # local roots need it
-                fs.put_file(str(path), target)
+            _upload_own(fs, base, self.node, directory, {"attempt": self.url, "name": name})
         dist.barrier()  # every node's part is uploaded
         if self.local_rank == 0:
             fs.invalidate_cache(base)
-            _download_others(fs, base, self.node, directory)
+            nodes = dist.get_world_size() // self.local_size
+            expected = {"attempt": self.url, "name": name}
+            _download_others(fs, base, self.node, nodes, directory, expected)
         dist.barrier()  # every node holds every part
         if dist.get_rank() == 0:
             fs.rm(base, recursive=True)
 
 
-def _download_others(fs, base: str, node: int, directory: Path) -> None:  # noqa: ANN001
-    """Download the other nodes' parts under `base` into `directory`."""
-    own = f"node-{node:05d}"
-    for part in sorted(fs.ls(base, detail=False)):
-        if part.rstrip("/").rsplit("/", 1)[-1] == own:
+def _node_dir(node: int) -> str:
+    return f"node-{node:05d}"
+
+
+def _upload_own(fs, base: str, node: int, directory: Path, attempt: dict[str, str]) -> None:  # noqa: ANN001
+    """Upload this node's files under `base`, then its signed index (the commit)."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        target = f"{base}/{_node_dir(node)}/{rel}"
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)  # local roots need it
+        fs.put_file(str(path), target)
+        files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    index = sign({**attempt, "node": node, "files": files})
+    with fs.open(f"{base}/{_node_dir(node)}.json", "w") as handle:
+        handle.write(json.dumps(index, sort_keys=True))
+
+
+def _read_index(fs, base: str, node: int, expected: dict[str, str]) -> dict[str, Any]:  # noqa: ANN001
+    """Node `node`'s index once its signature, attempt, name and node check out.
+
+    Raises:
+        DataError: It is missing, forged, or from another attempt, directory or node.
+    """
+    where = f"{base}/{_node_dir(node)}.json"
+    try:
+        with fs.open(where, "r") as handle:
+            text = handle.read()
+    except FileNotFoundError as err:
+        raise DataError(
+            f"{where} is missing: node {node} of this attempt uploaded no index (it failed, "
+            "or the exchange prefix was changed); the attempt fails and a retry resumes"
+        ) from err
+    index = loads_verified(text, where)
+    claimed = {key: index.get(key) for key in (*expected, "node")}
+    if claimed != {**expected, "node": node} or not isinstance(index.get("files"), dict):
+        raise DataError(
+            f"{where} names {claimed}, not node {node} of this attempt's {expected['name']!r}; "
+            "refusing it (a replayed or misplaced index)"
+        )
+    return index
+
+
+def _ignore_strangers(fs, base: str, nodes: int) -> None:  # noqa: ANN001
+    """Log, once each, what lies under `base` that no node of this attempt wrote."""
+    known = {_node_dir(n) for n in range(nodes)} | {f"{_node_dir(n)}.json" for n in range(nodes)}
+    for entry in fs.ls(base, detail=False):
+        leaf = entry.rstrip("/").rsplit("/", 1)[-1]
+        if leaf not in known and f"{base}/{leaf}" not in _ignored:
+            _ignored.add(f"{base}/{leaf}")
+            _logger.warning(
+                "ignoring %s/%s: not a node of this attempt (nodes 0..%d); someone else "
+                "wrote it",
+                base,
+                leaf[:80],
+                nodes - 1,
+            )
+
+
+def _download_others(  # noqa: ANN001
+    fs, base: str, node: int, nodes: int, directory: Path, expected: dict[str, str]
+) -> None:
+    """Download the files of the other nodes of this attempt under `base` into `directory`.
+
+    Only what a verified index names is read; each file is checked against the index's
+    size and sha256 in a ``.part`` file before it takes its place.
+
+    Raises:
+        DataError: A node's index is missing or refused; a file does not match its index;
+            two nodes wrote the same file with different sizes.
+        UnsafeName: An index names a file outside `directory`.
+    """
+    _ignore_strangers(fs, base, nodes)
+    for other in range(nodes):
+        if other == node:
             continue
-        for remote, info in sorted(fs.find(part, detail=True).items()):
-            target = directory / remote[len(part.rstrip("/")) + 1 :]
+        index = _read_index(fs, base, other, expected)
+        part = f"{base}/{_node_dir(other)}"
+        where = f"{part}.json"
+        for rel, info in sorted(index["files"].items()):
+            target = Path(safe_join(directory, rel, f"a file name in {where}"))
+            remote = f"{part}/{rel}"
             if target.is_file():
-                if target.stat().st_size != info["size"]:
+                if target.stat().st_size != info.get("size"):
                     raise DataError(
                         f"{target}: written by two nodes with different sizes "
-                        f"({target.stat().st_size} here, {info['size']} in {remote}); a "
-                        "checkpoint file must come from one rank"
+                        f"({target.stat().st_size} here, {info.get('size')} in {remote}); "
+                        "a checkpoint file must come from one rank"
                     )
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(target.name + ".part")
             fs.get_file(remote, str(partial))
+            size, sha = partial.stat().st_size, file_sha256(partial)
+            if size != info.get("size") or sha != info.get("sha256"):
+                partial.unlink()
+                raise DataError(
+                    f"{remote} does not match {where} ({size} bytes, sha256 {sha[:12]}…); "
+                    f"it was changed after node {other} uploaded it. Nothing was kept; the "
+                    "attempt fails and a retry resumes from the last verified checkpoint"
+                )
             os.replace(partial, target)

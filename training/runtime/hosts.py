@@ -4,10 +4,15 @@ DeepSpeed's launcher reads the hostfile itself; this module checks it first so t
 wrong one fails with the file, line and field named instead of a launcher traceback,
 and so that a host that does not answer fails the train stage naming that host (the
 launcher's own check tries the first host only).
+
+A host reaches ssh, pdsh's `-w` list and DeepSpeed's launcher, which joins it into
+command lines a shell runs: every host must be a hostname or an IP address
+(`host_problem`), so none can be read as an option or carry shell syntax.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import shutil
 import subprocess
@@ -21,13 +26,50 @@ _LINE = re.compile(r"(\S+)\s+slots=(\d+)")
 # How long one host gets to answer ssh before the stage fails naming it.
 SSH_TIMEOUT_S = 10
 
+# One label of an RFC 1123 hostname: letters, digits and '-', not at either end.
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def host_problem(host: str) -> str | None:
+    """Why `host` is not a hostname (RFC 1123) or an IPv4/IPv6 address; None if it is one.
+
+    Refused: a leading '-' (ssh and pdsh would read it as an option), spaces and shell
+    characters, a comma (pdsh's host list separator), `user@`, and an IPv6 zone (`%eth0`).
+    Messages put it as "HOST is not a hostname or an IP address (PROBLEM)".
+    """
+    if host.startswith("-"):
+        return "it starts with '-', which ssh and pdsh read as an option"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if address is not None:
+        if getattr(address, "scope_id", None):
+            return "an IPv6 zone ('%...') is not accepted; use a global address or a hostname"
+        return None
+    labels = host.split(".")
+    if not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return (
+            "RFC 1123: letters, digits and '-' in dot-separated labels of 1-63 characters, "
+            "no '-' at either end of a label"
+        )
+    if all(label.isdigit() for label in labels):
+        return "all digits, but not an IPv4 address"
+    return None
+
+
+def not_a_host(host: str, problem: str) -> str:
+    """The message part for a refused host: "'HOST' is not a hostname or ... (PROBLEM)"."""
+    return f"{host!r} is not a hostname or an IP address ({problem})"
+
 
 def read_hostfile(path: Path, nodes: int, ranks_per_node: int) -> list[tuple[str, int]]:
     """The first `nodes` (host, slots) of a DeepSpeed hostfile, checked for the layout.
 
     Raises:
         InputNotFoundError: The file does not exist.
-        ConfigError: A line is not `host slots=N`, a host repeats, there are fewer than
+        ConfigError: A line is not `host slots=N`, a host is not a hostname or IP address
+            (`host_problem`), a host repeats, there are fewer than
             `nodes` hosts, or one of them has fewer than `ranks_per_node` slots.
     """
     if not path.is_file():
@@ -44,6 +86,11 @@ def read_hostfile(path: Path, nodes: int, ranks_per_node: int) -> list[tuple[str
         if match is None:
             raise ConfigError(f"train.hostfile {path} line {number}: {raw!r} is not `host slots=N`")
         host, slots = match.group(1), int(match.group(2))
+        problem = host_problem(host)
+        if problem is not None:
+            raise ConfigError(
+                f"train.hostfile {path} line {number}: host {not_a_host(host, problem)}"
+            )
         if host in (known for known, _ in hosts):
             raise ConfigError(f"train.hostfile {path} line {number}: host {host} repeats")
         hosts.append((host, slots))
@@ -83,9 +130,14 @@ def check_ssh_hosts(hosts: list[str], ssh_port: int | None, hostfile: Path) -> N
     """Fail naming the first host that does not answer ssh, before anything launches.
 
     Raises:
-        ConfigError: ssh or DeepSpeed's pdsh launcher is not installed, or a host does not
-            answer a non-interactive ssh within `SSH_TIMEOUT_S`.
+        ConfigError: A host is not a hostname or IP address (`host_problem`), ssh or
+            DeepSpeed's pdsh launcher is not installed, or a host does not answer a
+            non-interactive ssh within `SSH_TIMEOUT_S`.
     """
+    for host in hosts:
+        problem = host_problem(host)
+        if problem is not None:
+            raise ConfigError(f"train.hostfile {hostfile}: host {not_a_host(host, problem)}")
     if shutil.which("ssh") is None:
         raise ConfigError("train.launcher=ssh needs the ssh client on this machine; install it")
     for host in hosts:
@@ -98,6 +150,7 @@ def check_ssh_hosts(hosts: list[str], ssh_port: int | None, hostfile: Path) -> N
             "-o",
             "StrictHostKeyChecking=accept-new",
             *(["-p", str(ssh_port)] if ssh_port is not None else []),
+            "--",  # whatever follows is the host and its command, never an option
             host,
             "true",
         ]

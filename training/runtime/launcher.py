@@ -4,12 +4,16 @@ Runs `deepspeed.launcher.runner` in its own process group, streams the ranks' ou
 (progress, resume and error records, which `is_protocol_line` tells from text for
 people), reaps an earlier attempt's orphaned ranks, unlinks the shared-memory buffers
 DeepSpeed's CPU ranks leave behind and turns the ranks' error reports into typed errors.
+Every line is redacted (`redact_line`) before it reaches the launcher log, a caller or an
+error message: DeepSpeed's pdsh runner prints the `export NAME=VALUE;` command it sends
+every host, `.deepspeed_env` included.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +40,7 @@ from training.runtime.files import (
     SUMMARY_FILE,
     WEIGHTS_FILE,
 )
+from training.runtime.hosts import host_problem, not_a_host
 from training.runtime.memory import MemoryPlan
 
 # The machine protocol between the ranks and the launcher: one line, a prefix and a JSON
@@ -105,6 +110,20 @@ CHAOS_CONSOLIDATION_CHUNK_ROWS = "RECFORGE_CHAOS_CONSOLIDATION_CHUNK_ROWS"
 _SHM_BUFFER = "deepspeed_allreduce_buffer"
 
 
+# Environment variables whose values never reach a log: names holding one of these words
+# (any case), and the named ones that hold none.
+SECRET_NAME_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL")
+SECRET_NAMES = frozenset({"PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING"})
+REDACTED = "***"
+
+# NAME=VALUE as DeepSpeed logs it (`export NAME=VALUE;`, `NAME=VALUE` per launch): the
+# value runs to a space, ';' or the line's end, or is one quoted string.
+_ASSIGNMENT = re.compile(r"""(?<!\w)([A-Za-z_][A-Za-z0-9_]*)=("[^"]*"|'[^']*'|[^\s;"']*)""")
+
+# Values shorter than this are not searched for by value (a "1" would blank every digit).
+_MIN_REDACTED_VALUE = 6
+
+
 # The package root, put on the ranks' PYTHONPATH so they import this very `training`.
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,6 +190,39 @@ class NodeLaunch:
     node_rank: int | None = None
     ssh_port: int | None = None
     exchange: str | None = None
+
+    def __post_init__(self) -> None:
+        # It reaches the launcher's command line (and pdsh's remote shell command) as is.
+        problem = host_problem(self.master_addr)
+        if problem is not None:
+            raise ConfigError(f"master_addr {not_a_host(self.master_addr, problem)}")
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether an environment variable's value must never be logged (`SECRET_NAME_WORDS`)."""
+    upper = name.upper()
+    return upper in SECRET_NAMES or any(word in upper for word in SECRET_NAME_WORDS)
+
+
+def redact_line(line: str, secrets: tuple[str, ...] = ()) -> str:
+    """`line` with the value of every secret-looking `NAME=VALUE` and every one of
+    `secrets` (the values of the launch environment's secret variables) replaced by ***.
+
+    Args:
+        line: A line of the launcher's or a rank's output.
+        secrets: Values to blank wherever they appear (`secret_values`).
+    """
+    for value in secrets:
+        line = line.replace(value, REDACTED)
+    return _ASSIGNMENT.sub(
+        lambda m: f"{m.group(1)}={REDACTED}" if is_secret_name(m.group(1)) else m.group(0), line
+    )
+
+
+def secret_values(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The values of `env`'s secret variables, longest first, for `redact_line`."""
+    values = {v for k, v in env.items() if is_secret_name(k) and len(v) >= _MIN_REDACTED_VALUE}
+    return tuple(sorted(values, key=len, reverse=True))
 
 
 def launcher_command(
@@ -292,7 +344,8 @@ def run_launcher(
     `env` is the launcher's whole environment; None inherits this process's. Every line
     goes to `log_path` and to `on_log`, protocol records included (callers and tests read
     them there); a caller that shows the lines to people drops those with
-    `is_protocol_line` and reads the records with `parse_record`.
+    `is_protocol_line` and reads the records with `parse_record`. Lines, tail and error
+    reports are redacted first (`redact_line`): no secret of the environment is kept.
 
     With `owner_file`, the ranks' process group is recorded there first, and whatever
     is left of the group an earlier attempt recorded is killed: when the process that
@@ -308,6 +361,7 @@ def run_launcher(
     tail: deque[str] = deque(maxlen=_TAIL_LINES)
     rank_errors: list[dict[str, Any]] = []
     master_port = int(command[command.index("--master_port") + 1])
+    secrets = secret_values(os.environ if env is None else env)
     if owner_file is not None:
         _reap_previous_ranks(owner_file)
     with log_path.open("w") as log_file:
@@ -335,18 +389,22 @@ def run_launcher(
         try:
             assert process.stdout is not None  # stdout=PIPE above
             for raw_line in process.stdout:
-                line = raw_line.rstrip("\n")
+                # Records parse from the line as printed (redacting inside their JSON
+                # could break it); an error report's text is redacted on its own.
+                line = redact_line(raw_line.rstrip("\n"), secrets)
                 tail.append(line)
-                log_file.write(raw_line)
+                log_file.write(line + "\n")
                 log_file.flush()
                 if on_log is not None:
                     on_log(line)
                 if on_progress is not None:
-                    progress = parse_record(line, PROGRESS_PREFIX)
+                    progress = parse_record(raw_line, PROGRESS_PREFIX)
                     if progress is not None:
                         on_progress(progress)
-                error = parse_record(line, ERROR_PREFIX)
+                error = parse_record(raw_line, ERROR_PREFIX)
                 if error is not None:
+                    if isinstance(error.get("error"), str):
+                        error["error"] = redact_line(error["error"], secrets)
                     rank_errors.append(error)
             returncode = process.wait()
         finally:

@@ -5,15 +5,18 @@ state, preemption on SIGTERM, crash-safe resume checkpoints, and progress record
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import json
 import os
 import random
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -59,18 +62,53 @@ DENSE_TAG = "dense"
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's python, numpy and torch random states."""
+    """This process's python, numpy and torch random states, as tensors and plain values.
+
+    A resume checkpoint's `rank-RRRRR.pt` holds it and comes back from shared storage, so
+    it must load with `torch.load(..., weights_only=True)` (no pickle of numpy arrays or
+    other objects): the Mersenne Twister words are int64 tensors, the rest ints, floats,
+    strings and None.
+
+    Returns:
+        {"python": {"version", "words": (625,) int64, "gauss_next"}, "numpy":
+        {"bit_generator", "key": (624,) int64, "pos", "has_gauss", "gauss"}, "torch":
+        uint8 tensor}.
+    """
+    version, words, gauss_next = random.getstate()
+    numpy_state = np.random.get_state(legacy=False)
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {
+            "version": version,
+            "words": torch.tensor(words, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
         "torch": torch.get_rng_state(),
     }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore `rng_state()`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore `rng_state()`, bit for bit."""
+    python, numpy_state = state["python"], state["numpy"]
+    words = tuple(int(word) for word in python["words"].tolist())
+    random.setstate((int(python["version"]), words, python["gauss_next"]))
+    np.random.set_state(
+        {
+            "bit_generator": numpy_state["bit_generator"],
+            "state": {
+                "key": numpy_state["key"].numpy().astype(np.uint32),
+                "pos": int(numpy_state["pos"]),
+            },
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        }
+    )
     torch.set_rng_state(state["torch"])
 
 
@@ -373,9 +411,115 @@ def write_scalars(writer: Any, record: dict[str, Any]) -> None:
     writer.flush()
 
 
+# Rank 0's rendezvous store, kept for the life of the process (see `bind_rendezvous`).
+_RENDEZVOUS: list[torch.distributed.TCPStore] = []
+
+
+def bind_rendezvous(env: MutableMapping[str, str]) -> None:
+    """Keep the ranks' listeners off interfaces the job does not use; call it first.
+
+    Rank 0: torch's env:// rendezvous (what `deepspeed.init_distributed` runs) starts
+    its TCPStore server on every interface: it binds the port, not the address. A
+    multi-tenant store started first on a socket bound to MASTER_ADDR is the server that
+    rendezvous then reuses (a process shares one server per port).
+
+    Every rank, when MASTER_ADDR is a loopback address (then every rank is on this
+    machine): GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME default to the loopback
+    interface, where gloo and NCCL would otherwise listen on the address the machine's
+    hostname resolves to. Elsewhere they listen on ephemeral ports of that address (or of
+    the interface those variables name): firewall them (docs/security.md).
+
+    A process the launcher did not start (no RANK, MASTER_ADDR, MASTER_PORT) is left
+    as it is.
+
+    Args:
+        env: The rank's environment as DeepSpeed's launcher sets it (RANK, MASTER_ADDR,
+            MASTER_PORT); the process's own environment, which torch reads.
+
+    Raises:
+        ConfigError: MASTER_ADDR is not an address of this machine (rank 0 runs on node 0,
+            so train.master_addr must be one of node 0's own).
+        OSError: MASTER_PORT is taken.
+    """
+    if not env.get("RANK") or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
+        return
+    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    interface = _loopback_interface() if _is_loopback(host) else None
+    if interface is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", interface)
+        env.setdefault("NCCL_SOCKET_IFNAME", interface)
+    if env["RANK"] != "0" or _RENDEZVOUS or torch.distributed.is_initialized():
+        return
+    listener = _listen_on(host, port)
+    store = torch.distributed.TCPStore(
+        host,
+        port,
+        None,  # no worker count: torch's rendezvous store, on this server, waits for them
+        True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=listener.detach(),  # the server owns the socket from here on
+        use_libuv=True,
+    )
+    _RENDEZVOUS.append(store)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` is this machine only (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback network interface (Linux: `lo`), None if none is found."""
+    for _, name in socket.if_nameindex():
+        try:
+            flags = int(Path(f"/sys/class/net/{name}/flags").read_text(), 16)
+        except (OSError, ValueError):
+            continue
+        if flags & 0x8:  # IFF_LOOPBACK
+            return name
+    return None
+
+
+def _listen_on(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host`:`port` (its first address that binds).
+
+    Raises:
+        ConfigError: `host` does not resolve, or is no address of this machine.
+        OSError: The port is taken (EADDRINUSE: as torch's own bind would fail, transient).
+    """
+    error: OSError | None = None
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as err:
+        addresses, error = [], err
+    for family, kind, proto, _, address in addresses:
+        listener = socket.socket(family, kind, proto)
+        try:
+            # As torch's own server does: a port in TIME_WAIT from an earlier attempt binds.
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(socket.SOMAXCONN)
+        except OSError as err:
+            listener.close()
+            if err.errno == errno.EADDRINUSE:
+                raise
+            error = err
+            continue
+        return listener
+    raise ConfigError(
+        f"train.master_addr={host!r}: rank 0 cannot listen there ({error}); master_addr must "
+        "be an address of node 0 itself (the machine that runs rank 0), as every node reaches it"
+    )
+
+
 def rank_main(module: str, run_rank: Callable[[Path], None], argv: list[str] | None) -> int:
     """Shared entry point of the rank modules: `python -m MODULE SPEC.json`.
 
+    Rank 0 first starts the rendezvous store on MASTER_ADDR only (`bind_rendezvous`).
     Other launcher arguments (`--local_rank=...`) are ignored. Any exception prints one
     `RECFORGE_ERROR {"rank": r, "error": "..."}` line, so the parent can name the root
     cause among the other ranks' follow-on errors (a peer's closed connection), and is
@@ -394,6 +538,7 @@ def rank_main(module: str, run_rank: Callable[[Path], None], argv: list[str] | N
     if len(spec_args) != 1:
         raise SystemExit(f"usage: python -m {module} SPEC.json (got {args})")
     try:
+        bind_rendezvous(os.environ)
         run_rank(Path(spec_args[0]))
     except Exception as error:
         rank = dist.get_rank() if dist.is_initialized() else None

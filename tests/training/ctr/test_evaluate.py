@@ -19,7 +19,15 @@ from tasks.common import StageOutput, stage_fingerprint, stage_modules
 from tasks.evaluate import evaluate_section
 from training.config import EvaluateConfig
 from training.ctr.data import load_dataset_meta
-from training.ctr.evaluate import evaluate_model
+from training.ctr.evaluate import (
+    _Accumulators,
+    _ScoringPlan,
+    _slice_metrics,
+    _split_metrics,
+    evaluate_model,
+    read_accumulators,
+    write_accumulators,
+)
 from training.ctr.model import load_model
 from training.runtime.files import RANKS_DIR, WEIGHTS_FILE
 from training.runtime.launcher import CHAOS_KILL_RANK
@@ -328,7 +336,7 @@ def test_workers_give_the_metrics_of_one_process(
     spec = json.loads((tmp_path / "many" / RANKS_DIR / "launch.json").read_text())
     assert spec["world_size"] == min(workers, test_files)
     assert not (tmp_path / "one" / RANKS_DIR).exists()  # one process: no launcher
-    assert not list((tmp_path / "many" / RANKS_DIR).glob("merged.pkl*"))
+    assert not list((tmp_path / "many" / RANKS_DIR).glob("merged.npz*"))
 
 
 def _nan_model(train_dir: Path) -> None:
@@ -382,7 +390,7 @@ def test_a_killed_rank_is_transient_and_writes_no_metrics(
         evaluate_model(EvaluateConfig(workers=2), train_dir, shards_dir, out_dir, env=env)
     assert "evaluate.workers" in str(error.value)  # says what to change
     assert not (out_dir / "metrics.json").exists()
-    assert not list((out_dir / RANKS_DIR).glob("merged.pkl*"))
+    assert not list((out_dir / RANKS_DIR).glob("merged.npz*"))
 
 
 def test_workers_are_not_part_of_evaluates_cache_key() -> None:
@@ -401,3 +409,56 @@ def test_workers_are_not_part_of_evaluates_cache_key() -> None:
 def test_workers_must_be_positive() -> None:
     with pytest.raises(ValidationError, match="workers"):
         EvaluateConfig(workers=0)
+
+
+@pytest.mark.parametrize("auc_mode", ["exact", "bucketed", "auto"])
+def test_merged_accumulators_round_trip_without_pickle(auc_mode: str, tmp_path: Path) -> None:
+    """The ranks' result file (npz + JSON skeleton) gives the metrics of the merged state."""
+    # auto with a 150-row limit: one part stays exact, the merge turns bucketed.
+    config = EvaluateConfig(
+        auc_mode=auc_mode, auc_buckets=64, exact_auc_max_rows=150, slice_by=["city"]
+    )
+    plan = _ScoringPlan(config, tmp_path, tmp_path, ["click", "buy"], [], "user_id", False, 30)
+    rng = np.random.default_rng(0)
+    parts = []
+    for part_index in range(2):
+        part = _Accumulators(plan, oracle=True)
+        for batch in range(4):
+            labels = rng.integers(0, 2, (25, 2)).astype(np.float32)
+            scores = rng.random((25, 2))
+            for t in range(2):
+                part.aucs[t].update(labels[:, t], scores[:, t])
+                part.stats[t].update(labels[:, t], scores[:, t])
+            part.oracle_auc.update(labels[:, 0], rng.random(25))
+            part.reliability.update(labels[:, 0], scores[:, 0])
+            part.gauc.update(rng.integers(0, 6, 25), labels[:, 0], scores[:, 0])
+            part.slices["city"].update(rng.integers(0, 3, 25), labels[:, 0], scores[:, 0])
+            start = 100 * part_index + 25 * batch
+            if start < plan.head_rows:
+                part.head.append((np.arange(start, start + 5), scores[:5].astype(np.float32)))
+        parts.append(part)
+    merged = parts[0]
+    merged.merge(parts[1])
+    path = tmp_path / "merged.npz"
+    with path.open("wb") as file:
+        write_accumulators(file, merged)
+    with np.load(path, allow_pickle=False) as saved:  # arrays and a string only
+        assert all(saved[name].dtype != object for name in saved.files)
+    restored = read_accumulators(path)
+    assert _split_metrics(plan, restored) == _split_metrics(plan, merged)
+    assert _slice_metrics(restored.slices, None) == _slice_metrics(merged.slices, None)
+    assert restored.reliability.bins() == merged.reliability.bins()
+    assert restored.aucs[0].mode == merged.aucs[0].mode
+    assert len(restored.head) == len(merged.head)
+    for (pos_a, scores_a), (pos_b, scores_b) in zip(restored.head, merged.head, strict=True):
+        np.testing.assert_array_equal(pos_a, pos_b)
+        np.testing.assert_array_equal(scores_a, scores_b)
+
+
+def test_an_accumulators_file_naming_another_class_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "merged.npz"
+    skeleton = json.dumps({"object": "Popen", "fields": {"args": ["touch", "x"]}})
+    with path.open("wb") as file:
+        np.savez(file, skeleton=np.array(skeleton))
+    with pytest.raises(ValueError, match="not an evaluate accumulators file"):
+        read_accumulators(path)
