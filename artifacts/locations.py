@@ -13,6 +13,7 @@ checkpoints) lives under ``$RECFORGE_CACHE_DIR`` (default ``~/.cache/recforge``)
 ``<cache>/<protocol>/<bucket>/<prefix>/...`` mirroring the URL (`local_mirror`).
 """
 
+import difflib
 import os
 import re
 from collections.abc import Iterator
@@ -266,23 +267,59 @@ def remove(locations: list[Location]) -> None:
 def check_location(location: Location, what: str) -> Location:
     """``location`` as ``as_location`` gives it, after checking it is well formed.
 
+    Refused, each with a "did you mean" line: a scheme without ``//`` (``s3:/bucket``,
+    ``s3:bucket``), a scheme fsspec does not know (``s4://``), a local path that starts
+    like a URL missing its colon (``s3//bucket``), and a URL without a path.
+
     Args:
         location: A path or URL typed by a person (a flag, a config field).
         what: What it is, for the message (``"--root"``, ``"ingest.path"``).
 
     Raises:
-        ConfigError: A scheme without ``//`` (``s3:/bucket``), or a URL without a path.
+        ConfigError: Naming `what`, the value and the likely intended one.
     """
     text = str(location)
     if _MALFORMED_URL.match(text):
-        scheme = text.split(":", 1)[0]
+        scheme, _, rest = text.partition(":")
         raise ConfigError(
-            f"{what}={text!r} looks like a URL without '//' after '{scheme}:'; write "
-            f"{scheme}://{text.split(':', 1)[1].lstrip('/')} (or a local path without ':')"
+            f"{what}={text!r} looks like a URL without '//' after '{scheme}:'; did you "
+            f"mean {scheme}://{rest.lstrip('/')}? (A local path has no ':' there.)"
         )
-    if is_remote(text) and not text.partition("://")[2].strip("/"):
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.lower() not in known_schemes():
+        guess = difflib.get_close_matches(
+            scheme.lower(), [*_COMMON_SCHEMES, *BUCKET_PROTOCOLS, "memory"], n=1, cutoff=0.5
+        )
+        hint = f"did you mean {guess[0]}://{rest}? " if guess else ""
+        raise ConfigError(
+            f"{what}={text!r}: unknown storage scheme '{scheme}://'; {hint}Use a local path "
+            f"or one of {', '.join(_COMMON_SCHEMES)}:// (any fsspec protocol)"
+        )
+    first, slashes, rest = text.partition("//")
+    if slashes and first.lower() in {*BUCKET_PROTOCOLS, "hdfs", "http", "https", "memory"}:
+        raise ConfigError(
+            f"{what}={text!r} is a local path that starts like a URL; did you mean "
+            f"{first}://{rest}? (For a local directory of that name, write ./{text}.)"
+        )
+    if is_remote(text) and not rest_of(text).strip("/"):
         raise ConfigError(f"{what}={text!r} names no bucket or path after '://'")
     return as_location(text)
+
+
+# The schemes a "did you mean" suggests first, and the list a message shows.
+_COMMON_SCHEMES = ("s3", "gs", "az", "abfs", "hdfs", "file")
+
+
+def known_schemes() -> set[str]:
+    """The URL schemes fsspec knows (installed or not), lower case."""
+    from fsspec.registry import known_implementations, registry
+
+    return {name.lower() for name in (*known_implementations, *registry)}
+
+
+def rest_of(url: str) -> str:
+    """What follows ``scheme://`` in a URL."""
+    return url.partition("://")[2]
 
 
 def cache_dir() -> Path:
@@ -297,14 +334,14 @@ def local_mirror(url: str) -> Path:
     return cache_dir() / protocol / path.strip("/")
 
 
-def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of `url` and the path in it.
+def filesystem(url: str, **options: Any) -> tuple[Any, str]:
+    """The fsspec filesystem of `url` and the path in it (`options` to its constructor).
 
     Raises:
         ConfigError: The protocol's package is not installed (s3fs for `s3://`).
     """
     try:
-        return fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url, **options)
     except ImportError as err:
         extra = " (pip install -e '.[s3]')" if url.startswith("s3") else ""
         raise ConfigError(

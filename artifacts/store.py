@@ -46,6 +46,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -62,7 +63,7 @@ from artifacts.durable import (
     write_json,
     write_json_durable,
 )
-from artifacts.errors import CorruptOutput, InputNotFoundError
+from artifacts.errors import CorruptOutput, InputNotFoundError, StoreUnreachable
 from artifacts.locations import (
     BUCKET_PROTOCOLS,
     UnsafeName,
@@ -155,18 +156,52 @@ class ArtifactStore:
         """
         return require_key(self.url, self.remote)
 
-    def check_reachable(self) -> None:
+    def check_reachable(self, timeout_s: float | None = None) -> None:
         """Fail once, before any stage, when a remote root cannot be reached.
+
+        Args:
+            timeout_s: Give up after this long (an endpoint that does not answer); the
+                command line checks with a few seconds before Prefect starts. None: the
+                client's own timeouts and retries.
 
         Raises:
             StoreUnreachable: The bucket does not exist, credentials are missing or
-                refused, or the endpoint does not answer; the message names the URL and
-                what to set.
+                refused, or the endpoint does not answer (in time); the message names the
+                URL and what to set.
             ConfigError: The protocol's fsspec package is not installed.
         """
         if not self.remote:
             return
-        fs, path = filesystem(self.url)
+        if timeout_s is None:
+            self._probe(filesystem(self.url))
+            return
+        options = {}
+        if self.url.partition("://")[0] in ("s3", "s3a"):
+            # One quick try: botocore's defaults wait 60 s per attempt, several times.
+            timeouts = {"connect_timeout": timeout_s, "read_timeout": timeout_s}
+            options["config_kwargs"] = {**timeouts, "retries": {"max_attempts": 1}}
+        found = filesystem(self.url, skip_instance_cache=True, **options)
+        failure: list[BaseException] = []
+
+        def probe() -> None:
+            try:
+                self._probe(found)
+            except BaseException as error:  # noqa: BLE001 - raised in the caller's thread
+                failure.append(error)
+
+        thread = threading.Thread(target=probe, name="store-probe", daemon=True)
+        thread.start()
+        thread.join(timeout_s + 1)
+        if thread.is_alive():
+            raise StoreUnreachable(
+                f"the artifact store {self.url} did not answer within {timeout_s:.0f} s; check "
+                "the endpoint (AWS_ENDPOINT_URL for an S3-compatible server) and the network"
+            )
+        if failure:
+            raise failure[0]
+
+    def _probe(self, found: tuple[Any, str]) -> None:
+        fs, path = found
         with storage_errors(self.url):
             if self.url.partition("://")[0] in BUCKET_PROTOCOLS:
                 # The bucket (first path component) answers for every object under it.

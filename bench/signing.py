@@ -10,7 +10,11 @@ This times, in one run:
   what a checkpoint commit already did); ``sign_s`` / ``verify_s``: signing and
   verifying its manifest (``CheckpointStore.commit``'s and ``_check``'s new work);
 - a stage manifest of ``--manifest-files`` entries (a large shard output): ``sign_s`` and
-  ``verify_s`` per manifest, averaged over many.
+  ``verify_s`` per manifest, averaged over many;
+- with ``--demo-root ROOT`` (a root where ``recforge run configs/demo.yaml --root ROOT``
+  finished), every signed record the demo run wrote there: how many, signing and
+  verifying all of them once (``demo_sign_verify_ms``), next to the run's stage seconds
+  from its run record (``demo_stage_s``) and the bytes it wrote.
 
 The last line printed is one JSON object with these figures and the ratios
 ``sign_verify_vs_write`` (signing + verifying the checkpoint manifest over writing the
@@ -20,6 +24,8 @@ Usage::
 
     .venv/bin/python bench/signing.py                      # 1 GB in 8 files
     .venv/bin/python bench/signing.py --checkpoint-gb 0.25
+    .venv/bin/recforge run configs/demo.yaml --root /tmp/demo-root
+    .venv/bin/python bench/signing.py --demo-root /tmp/demo-root
 """
 
 import argparse
@@ -63,12 +69,46 @@ def timed(function, repeat: int) -> float:  # noqa: ANN001
     return (time.perf_counter() - start) / repeat
 
 
+def demo_figures(root: Path) -> dict:
+    """Signing and verifying every signed record of a finished demo run under `root`."""
+    records = []
+    for path in root.rglob("*"):
+        if path.is_file() and path.suffix in ("", ".json") and path.stat().st_size < 1 << 24:
+            try:
+                record = json.loads(path.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                continue
+            if isinstance(record, dict) and "signature" in record:
+                records.append((path, path.read_text(), record))
+    if not records:
+        raise SystemExit(f"{root}: no signed records; run the demo there with a key set")
+    start = time.perf_counter()
+    for path, text, record in records:
+        sign(record)
+        loads_verified(text, str(path))
+    sign_verify_s = time.perf_counter() - start
+    summaries = sorted(root.glob("runs/*/summary.json"), key=lambda p: p.stat().st_mtime)
+    stages = json.loads(summaries[-1].read_text()).get("stages", {}) if summaries else {}
+    stage_s = sum(float(s.get("seconds") or 0) for s in stages.values())
+    written = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    return {
+        "demo_records": len(records),
+        "demo_sign_verify_ms": round(sign_verify_s * 1e3, 3),
+        "demo_stage_s": round(stage_s, 2),
+        "demo_bytes_written": written,
+        "demo_sign_verify_vs_run": sign_verify_s / stage_s if stage_s else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint-gb", type=float, default=1.0)
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--manifest-files", type=int, default=1000)
+    parser.add_argument("--demo-root", type=Path, help="a root the demo run finished in")
     args = parser.parse_args()
+    if args.demo_root is not None and not os.environ.get(KEY_ENV):
+        raise SystemExit(f"--demo-root: set {KEY_ENV} to the key the demo run signed with")
     os.environ.setdefault(KEY_ENV, os.urandom(32).hex())
 
     with tempfile.TemporaryDirectory(prefix="recforge-bench-signing-") as scratch:
@@ -111,6 +151,8 @@ def main() -> None:
         "sign_verify_vs_write": (ckpt_sign_s + ckpt_verify_s) / write_s,
         "exchange_hash_vs_write": exchange_hash_s / write_s,
     }
+    if args.demo_root is not None:
+        result.update(demo_figures(args.demo_root))
     print(json.dumps(result))
 
 

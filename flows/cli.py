@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 from artifacts.errors import ConfigError, InputNotFoundError, RecforgeError
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="override a config field, e.g. --set train.lr=0.01",
+    )
+    run.add_argument(
+        "--verbose",
+        action="store_true",
+        help="on failure, print the traceback above the one-line error",
     )
     run.add_argument(
         "--hostfile",
@@ -163,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             return _node_worker(args)
         return _ui(args)
     except RecforgeError as err:
+        # The last line is the message a person reads; the traceback only on request
+        # (a failed flow's is in the Prefect log too).
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
         print(f"recforge: error: {err}", file=sys.stderr)
         return 2
 
@@ -207,14 +217,11 @@ def _run(args: argparse.Namespace) -> int:
         # A flag (where things run, docs/architecture.md); the train section carries it.
         args.overrides = [*args.overrides, f"train.hostfile={Path(args.hostfile).resolve()}"]
 
-    # Validate before Prefect starts: a bad config fails in a second, with no retries.
+    # Validate before Prefect starts: a bad config or root fails in seconds, with no
+    # retries and no Prefect log above the message.
     load_config(args.config, args.overrides)
     if args.root is not None:
-        from artifacts.signing import KEY_BLOCK_ENV
-        from artifacts.store import ArtifactStore
-
-        if not os.environ.get(KEY_BLOCK_ENV):  # a block needs Prefect: the plan task
-            ArtifactStore(args.root).require_key()
+        check_root(args.root)
     from flows.pipeline import RunParams, pipeline
 
     params = RunParams(
@@ -232,6 +239,8 @@ def _run(args: argparse.Namespace) -> int:
     except RecforgeError:
         raise
     except Exception as err:  # a failed flow: one line, not a traceback
+        if args.verbose:
+            traceback.print_exc()
         print(f"recforge: error: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     from artifacts.locations import read_text_or_none
@@ -246,6 +255,28 @@ def _run(args: argparse.Namespace) -> int:
     print(f"model: {record['model']}")
     print(path)
     return 0
+
+
+# How long `recforge run` waits for an object-store root to answer before Prefect starts.
+ROOT_PROBE_TIMEOUT_S = 5.0
+
+
+def check_root(root: str) -> None:
+    """The artifact root, checked before Prefect starts: its form, the run key, the store.
+
+    Raises:
+        ConfigError: A malformed or unknown URL (with a "did you mean" line), or a remote
+            root without a signing key.
+        StoreUnreachable: The bucket is missing, credentials are refused, or the endpoint
+            does not answer within `ROOT_PROBE_TIMEOUT_S`.
+    """
+    from artifacts.signing import KEY_BLOCK_ENV
+    from artifacts.store import ArtifactStore
+
+    store = ArtifactStore(root)
+    if not os.environ.get(KEY_BLOCK_ENV):  # a block needs Prefect: the plan task
+        store.require_key()
+    store.check_reachable(timeout_s=ROOT_PROBE_TIMEOUT_S)
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ sends CTR models to `training.ctr` and sequence models to `training.sequence`, p
 | bless, promote | `tasks.promote.bless_task`, `tasks.promote.promote_task` | `training.stages.evaluate` (the champion), `training.blessing.decide` |
 """  # noqa: E501
 
+import math
 import time
 import uuid
 from pathlib import Path
@@ -331,6 +332,28 @@ def _promote(config: PipelineConfig, blessed: dict, store: ArtifactStore) -> dic
     return {**blessed, "status": "promoted", "champion": blessed["version"]}
 
 
+# The train stage's figures the run record carries (from its output's meta): how it ran,
+# where it continued from, and how fast. A cached stage shows the run that trained it.
+TRAIN_FIGURES = (
+    "world_size",
+    "resumed_from_step",
+    "resumed_from_world_size",
+    "steps",
+    "samples_per_s",
+    "step_ms",
+    "final_loss",
+)
+
+
+def train_figures(meta: dict) -> dict:
+    """`TRAIN_FIGURES` found in a train output's meta; a NaN loss (no step) as None."""
+    figures = {key: meta[key] for key in TRAIN_FIGURES if key in meta}
+    loss = figures.get("final_loss")
+    if isinstance(loss, float) and math.isnan(loss):
+        figures["final_loss"] = None
+    return figures
+
+
 def build_run_record(
     run_id: str,
     params: RunParams,
@@ -353,9 +376,8 @@ def build_run_record(
                 "output": out.output,
                 "seconds": out.seconds,
             }
-            if out.meta.get("resumed_from_step") is not None:
-                # A train attempt that continued from a checkpoint says from where.
-                stages[stage]["resumed_from_step"] = out.meta["resumed_from_step"]
+            if stage == "train":
+                stages[stage].update(train_figures(out.meta))
             if "validation" in out.meta:
                 # A sequence model validated while training: which step's weights, and why
                 # training stopped (the curve is in the train output's train_summary.json).

@@ -151,7 +151,9 @@ def train_task(
         if mirror is not None or config.launcher == "per_node":
             remove_tree(store.location("checkpoints", "train", fp))
         return {
+            "world_size": result.world_size,
             "resumed_from_step": result.resumed_from_step,
+            "resumed_from_world_size": result.resumed_from_world_size,
             "final_loss": result.final_loss,
             "steps": result.steps,
             "samples_per_s": result.samples_per_s,

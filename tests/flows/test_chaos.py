@@ -108,6 +108,10 @@ def test_killing_the_flow_during_shard_and_train_then_rerunning_gives_the_same_m
     assert [stages[s]["status"] for s in ("ingest", "preprocess", "shard")] == ["cached"] * 3
     assert stages["train"]["status"] == "ran"
     assert stages["train"]["resumed_from_step"] == preempted
+    # The run record carries the train figures, not only the stage output's summary.
+    assert stages["train"]["world_size"] == stages["train"]["resumed_from_world_size"]
+    assert stages["train"]["steps"] > preempted and stages["train"]["samples_per_s"] > 0
+    assert set(stages["train"]["step_ms"]) and stages["train"]["final_loss"] > 0
     expected = load_file(Path(reference["stages"]["train"]["output"]) / "model.safetensors")
     actual = load_file(Path(stages["train"]["output"]) / "model.safetensors")
     for name in expected:

@@ -1,9 +1,12 @@
+import time
 from pathlib import Path
 
 import pytest
 
 from artifacts.errors import ConfigError
 from flows.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_run_flags_parse():
@@ -149,3 +152,35 @@ def test_the_hostfile_flag_sets_the_train_hostfile(tmp_path, capsys):
     assert f"train.hostfile='{hostfile}' applies to launcher 'ssh' or 'per_node'" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    ("root", "meant"),
+    [("s3:/bucket/x", "s3://bucket/x"), ("s4://bucket/x", "s3://bucket/x"),
+     ("s3//bucket/x", "s3://bucket/x")],
+)  # fmt: skip
+def test_a_mistyped_root_fails_at_once_with_did_you_mean_and_creates_nothing(
+    root, meant, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    started = time.monotonic()
+    assert main(["run", str(REPO / "configs" / "demo.yaml"), "--root", root]) == 2
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"did you mean {meant}?" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_object_store_that_does_not_answer_fails_before_prefect_starts(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    started = time.monotonic()
+    code = main(["run", str(REPO / "configs" / "demo.yaml"), "--root", "s3://bucket/x"])
+    assert code == 2 and time.monotonic() - started < 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot reach the artifact store s3://bucket/x" in err[0], err
+    assert list(tmp_path.iterdir()) == []

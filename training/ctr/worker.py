@@ -255,6 +255,7 @@ class _Counters:
         final_loss: The last record's mean loss.
         rows_updated: Embedding rows this rank's sparse optimizer updated.
         resumed_from_step: The checkpoint's step, None for a fresh start.
+        resumed_from_world_size: The world size that wrote that checkpoint.
     """
 
     step: int = 0
@@ -266,6 +267,7 @@ class _Counters:
     final_loss: float = float("nan")
     rows_updated: int = 0
     resumed_from_step: int | None = None
+    resumed_from_world_size: int | None = None
 
 
 @dataclass
@@ -323,6 +325,7 @@ def run(spec: dict[str, Any]) -> None:
         resumed = load_resume_point(resume_point, engine, store, reader, table_rows, skip)
         counters.step, counters.micro_done = resumed["step"], resumed["micro_done"]
         counters.resumed_from_step = resumed["step"]
+        counters.resumed_from_world_size = int(resume_point.meta["world_size"])
     engine.train()
     started = time.monotonic()
     try:
@@ -682,6 +685,7 @@ def _write_summary(
         "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "reader_position": reader.position(),
         "resumed_from_step": counters.resumed_from_step,
+        "resumed_from_world_size": counters.resumed_from_world_size,
     }
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -142,6 +142,8 @@ class TrainResult:
             optimizer), averaged over ranks.
         memory_plan: The planner's per-rank memory estimate.
         resumed_from_step: The checkpoint step the run continued from, None if fresh.
+        world_size: The ranks that trained.
+        resumed_from_world_size: The ranks that wrote the checkpoint resumed from.
     """
 
     out_dir: Path
@@ -152,6 +154,8 @@ class TrainResult:
     step_ms: dict[str, float]
     memory_plan: MemoryPlan
     resumed_from_step: int | None = None
+    world_size: int | None = None
+    resumed_from_world_size: int | None = None
 
 
 def chaos_settings(env: Mapping[str, str]) -> dict[str, Any]:

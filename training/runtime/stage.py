@@ -133,7 +133,8 @@ def run_train_stage(
 
     Returns:
         The run's result, from rank 0's `train_summary.json` ("final_loss", "steps",
-        "samples_per_s", "step_ms", "resumed_from_step").
+        "samples_per_s", "step_ms", "world_size", "resumed_from_step" and
+        "resumed_from_world_size").
 
     Raises:
         ConfigError, InputNotFoundError, SchemaError: From `plan_run`, before any launch.
@@ -173,4 +174,6 @@ def run_train_stage(
         step_ms=dict(summary.get("step_ms", {})),
         memory_plan=plan.memory_plan,
         resumed_from_step=summary.get("resumed_from_step"),
+        world_size=summary.get("world_size", config.world_size),
+        resumed_from_world_size=summary.get("resumed_from_world_size"),
     )

@@ -718,6 +718,8 @@ def _write_outputs(
         "samples": last_step * samples_per_step,
         "samples_per_s": len(losses) * samples_per_step / max(seconds, 1e-9),
         "resumed_from_step": start or None,
+        # A pipeline resumes on the layout that wrote the checkpoint (find_resume_point).
+        "resumed_from_world_size": world_size if start else None,
         "world_size": world_size,
         "num_stages": config.pipeline_stages,
         "parts": [int(part) for part in module.parts],

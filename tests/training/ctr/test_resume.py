@@ -292,6 +292,7 @@ def test_a_checkpoint_resumes_on_another_world_size(
         on_progress=continued.append, checkpoint_root=root,
     )  # fmt: skip
     assert resumed.resumed_from_step == 8
+    assert (resumed.resumed_from_world_size, resumed.world_size) == (before, after)
     assert [r["step"] for r in continued] == list(range(9, 29))  # the next 20 steps
     expected = {r["step"]: r["loss"] for r in reference}
     for record in continued:
