@@ -34,7 +34,7 @@ from artifacts.errors import (
     InputNotFoundError,
 )
 from artifacts.locations import UnsafeName, check_name, filesystem, join, read_text_or_none
-from artifacts.signing import SIGNATURE, SignatureError, loads_verified, sign
+from artifacts.signing import SIGNATURE, SignatureError, loads_verified, read_hint, sign
 from artifacts.store import MANIFEST, ArtifactStore, check_output_dir, materialize, remote_manifest
 
 CHAMPION = "CHAMPION"
@@ -222,15 +222,7 @@ class Registry:
         """The blessing decision recorded for `version`; None when there is none, or when
         it does not verify (logged: a forged decision blesses nothing)."""
         location = self._at(DECISIONS, f"{check_version(version, 'a model version')}.json")
-        text = read_text_or_none(location)
-        if text is None:
-            return None
-        try:
-            record = loads_verified(text, str(location))
-        except SignatureError as err:
-            _logger.warning("registry: %s", err)
-            return None
-        return {k: v for k, v in record.items() if k != SIGNATURE}
+        return read_hint(location, "registry")
 
     def verify(self, version: str) -> Path:
         """The package of `version`, checked against its manifest and infra report.

@@ -205,6 +205,24 @@ def verify(record: Any, where: str, keys: Keyring | None = None) -> dict[str, An
     return record
 
 
+def read_hint(location: str | Path, what: str) -> dict[str, Any] | None:
+    """A signed record that is a hint, not a source of truth (a pointer, a cached score,
+    a decision): without its signature, or None when it is missing or does not verify
+    (logged under `what`: a forged hint is ignored, never trusted).
+    """
+    from artifacts.locations import read_text_or_none
+
+    text = read_text_or_none(location)
+    if text is None:
+        return None
+    try:
+        record = loads_verified(text, str(location))
+    except SignatureError as err:
+        _logger.warning("%s: ignoring %s: %s", what, location, err)
+        return None
+    return {k: v for k, v in record.items() if k != SIGNATURE}
+
+
 def loads_verified(text: str, where: str, keys: Keyring | None = None) -> dict[str, Any]:
     """Parse and `verify` a record's JSON text.
 

@@ -83,7 +83,7 @@ from artifacts.locations import (
     storage_errors,
     upload_files,
 )
-from artifacts.signing import Keyring, SignatureError, loads_verified, require_key, sign
+from artifacts.signing import Keyring, SignatureError, loads_verified, read_hint, require_key, sign
 
 # The pipeline's stages, in order: the one place their names are spelled.
 Stage = Literal["ingest", "preprocess", "shard", "train", "evaluate", "export"]
@@ -375,16 +375,7 @@ class ArtifactStore:
     def read_latest_json(self, pipeline: str, name: str) -> dict | None:
         """``latest/<pipeline>/<name>`` (signature removed), or None when there is none, or
         when it does not parse or verify (logged: it is a hint, never a source of truth)."""
-        location = self.location("latest", pipeline, name)
-        text = read_text_or_none(location)
-        if text is None:
-            return None
-        try:
-            record = loads_verified(text, str(location))
-        except SignatureError as err:
-            _logger.warning("ignoring %s: %s", location, err)
-            return None
-        return {k: v for k, v in record.items() if k != "signature"}
+        return read_hint(self.location("latest", pipeline, name), "latest pointer")
 
     def write_latest_json(self, pipeline: str, name: str, payload: dict) -> Path | str:
         """Replace ``latest/<pipeline>/<name>`` whole; returns its path (URL when remote)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ from prefect.artifacts import create_markdown_artifact
 from artifacts.durable import file_sha256
 from artifacts.errors import DeterministicError
 from artifacts.registry import Registry
-from artifacts.signing import SIGNATURE, SignatureError, loads_verified, sign
+from artifacts.signing import read_hint, sign
 from artifacts.store import ArtifactStore
 from tasks.common import StageOutput, local_dir, upstream_dirs
 from training.blessing import BlessConfig, decide
@@ -92,15 +91,7 @@ def cached_metrics(path: Path) -> dict[str, Any] | None:
     A forged score in the registry could let a worse candidate through the gate, so a
     file whose signature does not verify is scored again (and logged), never trusted.
     """
-    if not path.is_file():
-        return None
-    try:
-        metrics = loads_verified(path.read_text(), str(path))
-    except SignatureError as error:
-        logging.getLogger(__name__).warning("scoring the champion again: %s", error)
-        return None
-    metrics.pop(SIGNATURE, None)
-    return metrics
+    return read_hint(path, "scoring the champion again")
 
 
 @task(name="bless", task_run_name="bless", retries=0, persist_result=False)
