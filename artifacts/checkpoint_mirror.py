@@ -240,3 +240,37 @@ class CheckpointMirror:
             return {int(s) for s in meta.get("pinned", [])}
         except (DeterministicError, ValueError, TypeError, AttributeError):
             return set()
+
+
+def newest_checkpoint_meta(location: str) -> tuple[int, dict] | None:
+    """(step, meta) of the newest committed checkpoint under `location` whose manifest
+    is signed by the run key; None when there is none.
+
+    `location` is a local checkpoint root or a `checkpoints/train/<key>` URL. Only the
+    manifest is read (the ranks verify every file before they load one); an unsigned or
+    forged manifest is passed over, as the ranks and `CheckpointMirror.pull` would.
+    """
+    fs, path = filesystem(location)
+    fs.invalidate_cache(path)
+    if not fs.exists(path):
+        return None
+    steps = sorted(
+        (
+            step
+            for entry in fs.ls(path, detail=False)
+            if (step := parse_step(entry.rstrip("/").rsplit("/", 1)[-1])) is not None
+        ),
+        reverse=True,
+    )
+    for step in steps:
+        where = join(location, checkpoint_name(step), MANIFEST)
+        text = read_text_or_none(where)
+        if text is None:
+            continue  # not committed
+        try:
+            meta = loads_verified(text, str(where)).get("meta")
+        except DeterministicError:
+            continue
+        if isinstance(meta, dict):
+            return step, meta
+    return None

@@ -145,6 +145,35 @@ def build_parser() -> argparse.ArgumentParser:
     promote.add_argument("--reason", default="promoted by hand", help="kept in the history")
     rollback = actions.add_parser("rollback", help="make the previous champion the champion")
     rollback.add_argument("--reason", default="rollback", help="kept in the history")
+
+    gc = commands.add_parser(
+        "gc",
+        help="delete what no kept run record, registry version or running flow needs; prints "
+        "what it frees per category, in bytes",
+    )
+    gc.add_argument("root", help="artifact store root: a directory or an fsspec URL")
+    gc.add_argument(
+        "--keep-runs",
+        type=int,
+        default=10,
+        metavar="N",
+        help="keep the newest N run records and what they name (default 10), and every run "
+        "record younger than --older-than",
+    )
+    gc.add_argument(
+        "--older-than",
+        default="7d",
+        metavar="DURATION",
+        help="delete nothing last written more recently than this: 30m, 12h, 7d (default 7d)",
+    )
+    gc.add_argument(
+        "--lease-stale-after",
+        default="90s",
+        metavar="DURATION",
+        help="a running flow's lease whose heartbeat is older than this is stale (default "
+        "90s, three heartbeats)",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="print what would go; delete nothing")
     return parser
 
 
@@ -167,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             return _models(args)
         if args.command == "node-worker":
             return _node_worker(args)
+        if args.command == "gc":
+            return _gc(args)
         return _ui(args)
     except RecforgeError as err:
         # The last line is the message a person reads; the traceback only on request
@@ -202,6 +233,7 @@ def _node_worker(args: argparse.Namespace) -> int:
         # Node runs come from shared storage; without the run key nothing read from
         # there could be told from a forgery.
         raise ConfigError(f"recforge node-worker: no signing key; {HOW_TO_SET}")
+    check_prefect_api("recforge node-worker")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from tasks.train_nodes import serve_node_worker
 
@@ -255,6 +287,37 @@ def _run(args: argparse.Namespace) -> int:
     print(f"model: {record['model']}")
     print(path)
     return 0
+
+
+# How long `recforge node-worker` waits for the Prefect API to answer at start.
+API_PROBE_TIMEOUT_S = 10.0
+
+
+def check_prefect_api(who: str) -> None:
+    """The Prefect API at PREFECT_API_URL answers an authenticated read, within seconds.
+
+    Raises:
+        ConfigError: It does not answer, or refuses this process's credentials; names
+            the URL and the variables to check.
+    """
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    try:
+        with get_client(sync_client=True, httpx_settings={"timeout": API_PROBE_TIMEOUT_S}) as api:
+            api.read_flows(limit=1)
+    except (httpx.HTTPError, OSError) as err:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        why = (
+            "refused this process's credentials (set PREFECT_API_AUTH_STRING to the "
+            "server's user:password)"
+            if status in (401, 403)
+            else f"did not answer ({type(err).__name__}); check that PREFECT_API_URL is the "
+            "server the flow uses and that this machine can reach it"
+        )
+        raise ConfigError(f"{who}: the Prefect API at {url} {why}") from None
 
 
 # How long `recforge run` waits for an object-store root to answer before Prefect starts.
@@ -312,6 +375,30 @@ def _models(args: argparse.Namespace) -> int:
     else:
         record = registry.rollback(args.reason)
     print(f"champion of {args.model}: {record['version']} (was {before})")
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    """`recforge gc ROOT`: collect the root's garbage (`artifacts.gc`), print the report."""
+    from artifacts.gc import collect_garbage, parse_duration
+    from artifacts.signing import KEY_BLOCK_ENV
+    from artifacts.store import ArtifactStore
+
+    older_than = parse_duration(args.older_than, "--older-than")
+    stale_after = parse_duration(args.lease_stale_after, "--lease-stale-after")
+    if args.keep_runs < 0:
+        raise ConfigError(f"--keep-runs {args.keep_runs}: keep 0 or more run records")
+    store = ArtifactStore(args.root)
+    if store.remote:
+        if os.environ.get(KEY_BLOCK_ENV):
+            from tasks.common import load_run_key  # the key from a Prefect Secret block
+
+            load_run_key(store)
+        store.check_reachable(timeout_s=ROOT_PROBE_TIMEOUT_S)
+    report = collect_garbage(
+        args.root, args.keep_runs, older_than, dry_run=args.dry_run, stale_after_s=stale_after
+    )
+    print("\n".join(report.lines()))
     return 0
 
 

@@ -27,6 +27,7 @@ from prefect.input import RunInput
 from pydantic import BaseModel, Field
 
 from artifacts.errors import ConfigError, StoreUnreachable
+from artifacts.lease import RunLease
 from artifacts.locations import is_remote
 from artifacts.store import DEFAULT_ROOT, STAGES, ArtifactStore, Stage
 from flows.config import PipelineConfig, load_config
@@ -192,9 +193,21 @@ def rerun(
 
 
 def run_pipeline(params: RunParams) -> str:
-    """The body of both flows: plan, the six stages, the gate, the run record."""
+    """The body of both flows: plan, the six stages, the gate, the run record.
+
+    From its plan to its run record the run holds a lease on the root, which `recforge
+    gc` respects: it deletes nothing the run uses (`artifacts.lease`).
+    """
     store = ArtifactStore(params.root)  # the one store object of this run
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{str(runtime.flow_run.id or uuid.uuid4())[:8]}"
+    lease = RunLease(store.url, run_id)
+    try:
+        return _run_leased(params, store, run_id, lease)
+    finally:
+        lease.release()
+
+
+def _run_leased(params: RunParams, store: ArtifactStore, run_id: str, lease: RunLease) -> str:
     outputs: dict[str, StageOutput] = {}
     promotion: dict = {}
     plans: list[StagePlan] = []
@@ -202,7 +215,9 @@ def run_pipeline(params: RunParams) -> str:
     config: PipelineConfig | None = None
     try:
         config = load_config(params.config, params.overrides)
+        lease.start()  # before the plan reads the store: until `name`, gc keeps every output
         plans = plan_task(config, plan_modes(params), store)
+        lease.name(plan.fingerprint for plan in plans)
         check_plan(plans)
         run_stages(config, plans, store, outputs)
         promotion = bless_task(
@@ -342,6 +357,8 @@ TRAIN_FIGURES = (
     "samples_per_s",
     "step_ms",
     "final_loss",
+    # launcher 'per_node': earlier attempts that failed, with the nodes they lost and why.
+    "failed_attempts",
 )
 
 

@@ -2,7 +2,7 @@
 
 The ranks keep their crash-safe resume checkpoints in a local directory per
 fingerprint (`artifacts.checkpoints`). With a remote artifact root
-(`s3://...`) that directory is mirrored to ``<root>/checkpoints/train/<fp>/``
+(`s3://...`) that directory is mirrored to ``<root>/checkpoints/train/<key>/``
 (`CheckpointMirror`): before the ranks start, the newest remote checkpoint that
 verifies is downloaded (so a retry on another machine resumes); while they run,
 each newly committed checkpoint is uploaded, files first and its manifest last. A
@@ -12,6 +12,7 @@ remote checkpoint is committed when its manifest object exists; no rename is nee
 import json
 import os
 import shutil
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from artifacts.checkpoint_mirror import CheckpointMirror
+from artifacts.checkpoint_mirror import CheckpointMirror, newest_checkpoint_meta
 from artifacts.locations import remove_tree
 from artifacts.store import ArtifactStore
 from tasks.common import (
@@ -35,8 +36,13 @@ from tasks.common import (
     upstream_dirs,
 )
 from tasks.progress import train_progress
-from tasks.train_nodes import PerNodeRun, log_launcher_line
-from training.config import TrainConfig
+from tasks.train_nodes import (
+    PerNodeRun,
+    failed_attempts_before,
+    log_launcher_line,
+    surviving_layout,
+)
+from training.config import TrainConfig, resume_layout
 from training.runtime.files import SUMMARY_FILE
 from training.runtime.launcher import free_port
 from training.stages import ssh_launch, train_launch
@@ -56,13 +62,16 @@ def train_task(
     Which upstream output the model reads is `training.stages.train_launch`'s business.
     """
     fp = stage_fingerprint("train", config.fingerprinted(), [shard, preprocess])
+    # The resume checkpoints are named by what is trained, not by the layout: a retry
+    # or rerun on another world size finds them (`TrainConfig.resume_keyed`).
+    key = stage_fingerprint("train", config.resume_keyed(), [shard, preprocess])
     logger = get_run_logger()
-    # For a remote root this is the local mirror of <root>/checkpoints/train/<fp>.
-    resume_root = store.root / "checkpoints" / "train" / fp
+    # For a remote root this is the local mirror of <root>/checkpoints/train/<key>.
+    resume_root = store.root / "checkpoints" / "train" / key
     mirror = (
         CheckpointMirror(
             resume_root,
-            store.location("checkpoints", "train", fp),
+            store.location("checkpoints", "train", key),
             config.keep_checkpoints,
             logger.info,
         )
@@ -75,6 +84,8 @@ def train_task(
             progress=0.0, key="train-progress", description="Training steps completed (%)"
         )
         history: list[dict] = []
+        # per_node: the attempts that failed before this one, and the nodes they lost.
+        failed_attempts: list[dict] = []
         # The ranks' protocol lines drive the bar and become human lines in the log; the
         # raw records stay in the launcher log (launcher.log in the stage output).
         with train_progress(logger) as shown:
@@ -86,20 +97,32 @@ def train_task(
                     progress_id, progress=100.0 * record["step"] / record["total_steps"]
                 )
 
+            # The layout asked for (less lost nodes, with train.min_nodes), its batch
+            # split fitted to the newest checkpoint's global batch when another world
+            # size wrote it.
+            layout, workers = config, None
             if config.launcher == "per_node":
-                nodes = PerNodeRun(config, shard, preprocess, store, fp, dict(os.environ), logger)
+                failed_attempts.extend(failed_attempts_before(store, key))
+                layout, workers, line = surviving_layout(config, failed_attempts)
+                if line:
+                    logger.warning(line)
+            launched = fit_to_checkpoint(layout, store, key, resume_root, logger.info)
+            if launched.launcher == "per_node":
+                nodes = PerNodeRun(
+                    launched, shard, preprocess, store, key, dict(os.environ), logger, workers
+                )
                 result = nodes.run(out_dir, on_progress)
             else:
                 run = partial(
-                    train_launch(config, upstream_dirs(shard, preprocess)),
+                    train_launch(launched, upstream_dirs(shard, preprocess)),
                     out_dir,
-                    master_port=config.master_port or free_port(),
+                    master_port=launched.master_port or free_port(),
                     env=dict(os.environ),
                     on_log=partial(log_launcher_line, logger),
                     on_progress=on_progress,
                     # Outlives this attempt's staging directory, so that a retry resumes.
                     checkpoint_root=resume_root,
-                    node=ssh_launch(config) if config.launcher == "ssh" else None,
+                    node=ssh_launch(launched) if launched.launcher == "ssh" else None,
                 )
                 if mirror is None:
                     result = run()
@@ -149,7 +172,7 @@ def train_task(
         # The stage output holds the final checkpoint; the resume checkpoints are spent.
         shutil.rmtree(resume_root, ignore_errors=True)
         if mirror is not None or config.launcher == "per_node":
-            remove_tree(store.location("checkpoints", "train", fp))
+            remove_tree(store.location("checkpoints", "train", key))
         return {
             "world_size": result.world_size,
             "resumed_from_step": result.resumed_from_step,
@@ -159,11 +182,59 @@ def train_task(
             "samples_per_s": result.samples_per_s,
             "seconds": result.seconds,
             "step_ms": result.step_ms,
+            **({"failed_attempts": failed_attempts} if failed_attempts else {}),
             # In-training validation (train.eval_every_epochs): best step, curve, stop reason.
             **({"validation": validation} if validation is not None else {}),
         }
 
     return as_state(run_stage("train", fp, mode, store, produce))
+
+
+def fit_to_checkpoint(
+    config: TrainConfig,
+    store: ArtifactStore,
+    key: str,
+    resume_root: Path,
+    log: Callable[[str], None],
+) -> TrainConfig:
+    """The config to launch: `config`, or, when the newest resume checkpoint was written
+    on another world size, `config` with its batch split refitted to that checkpoint's
+    global batch (`training.config.resume_layout`).
+
+    The checkpoint is the newest whose manifest is signed, locally (`resume_root`) or in
+    the root; the ranks verify its files before they load it. With the same world size
+    nothing is refitted: a changed batch is the user's, and the ranks refuse a
+    checkpoint of another global batch by name.
+
+    Raises:
+        ConfigError: The new layout cannot keep the checkpoint's global batch; the
+            message names the fields and what to set.
+    """
+    places = {str(resume_root), str(store.location("checkpoints", "train", key))}
+    found = [point for place in places if (point := newest_checkpoint_meta(place))]
+    if not found:
+        return config
+    step, meta = max(found, key=lambda point: point[0])
+    written_on = meta.get("world_size")
+    if written_on is None or int(written_on) == config.world_size:
+        return config
+    fitted = resume_layout(config, meta)
+    batch = fitted.global_batch_size(fitted.data_parallel_size())
+    changed = {
+        name: (getattr(config, name), getattr(fitted, name))
+        for name in ("batch_size", "grad_accum_steps", "data_streams")
+        if getattr(config, name) != getattr(fitted, name)
+    }
+    log(
+        f"resuming step {step}, written on {written_on} ranks, on {config.world_size}: "
+        + (
+            ", ".join(f"train.{name} {old} -> {new}" for name, (old, new) in changed.items())
+            + f" keep its global batch of {batch}"
+            if changed
+            else f"its global batch of {batch} needs no change"
+        )
+    )
+    return fitted
 
 
 def _validation_record(out_dir: Path) -> dict | None:

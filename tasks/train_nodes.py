@@ -2,7 +2,7 @@
 
 Every node has a working directory of its own (its resume checkpoints, and for nodes
 other than 0 the output directory the ranks need but nobody keeps); the nodes share
-only the artifact root. There, `<root>/checkpoints/train/<fp>` holds the resume
+only the artifact root. There, `<root>/checkpoints/train/<key>` holds the resume
 checkpoints (node 0 uploads them; every node pulls the newest before its ranks start,
 dropping local ones that never got there, so all resume from one step) and
 `.../exchange/<attempt>` the files the ranks trade (`training.runtime.exchange`), a
@@ -31,6 +31,7 @@ verifies before it trusts a name in it. Everything is rebuilt with pydantic vali
 """
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -40,6 +41,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -110,6 +112,15 @@ STOP_MESSAGE_CHARS = 300
 SPEC_OBJECT = "spec.json"
 
 
+# Each node's liveness, in its attempt's exchange (`write_heartbeat`).
+HEARTBEAT_OBJECT = "heartbeat-{node}.json"
+
+
+# A node beats every timeout / HEARTBEATS_PER_TIMEOUT seconds, at most every MAX_BEAT_S.
+HEARTBEATS_PER_TIMEOUT = 6
+MAX_BEAT_S = 20.0
+
+
 OUTPUT_PREFIX = "output"
 
 
@@ -117,7 +128,7 @@ OUTPUT_PREFIX = "output"
 EXCHANGE_TAG = "recforge-exchange:"
 
 
-# An attempt's exchange: `<root>/checkpoints/train/<fp>/exchange/<uuid4 hex>`.
+# An attempt's exchange: `<root>/checkpoints/train/<key>/exchange/<uuid4 hex>`.
 _EXCHANGE = re.compile(r"^(?P<root>.+)/checkpoints/train/[0-9a-f]+/exchange/[0-9a-f]{32}$")
 
 
@@ -132,6 +143,24 @@ class NodeUnavailable(DeterministicError):
     """A node's task run was not taken by its worker in time (retrying would wait again)."""
 
 
+class NodeLost(TrainingCrashed):
+    """A started node stopped beating (its worker or machine died): the retry resumes."""
+
+
+# Failed attempts of the train stage in one flow run, kept beside the nodes' working
+# directories so that the attempt that succeeds can name the nodes lost before it (the
+# run record's `failed_attempts`) and a retry can go on without them (train.min_nodes).
+# Per flow run: a new run starts with every node.
+ATTEMPTS_FILE = "failed-attempts-{run}.jsonl"
+
+
+def attempts_file(work: Path) -> Path:
+    """This flow run's failed-attempts file under `work`."""
+    from prefect.runtime import flow_run
+
+    return work / ATTEMPTS_FILE.format(run=flow_run.id or "no-flow")
+
+
 @dataclass(frozen=True)
 class NodeRunSpec:
     """What every node of one attempt needs; JSON (`to_json`), for a task worker elsewhere.
@@ -141,10 +170,14 @@ class NodeRunSpec:
         shard: The shard stage's output.
         preprocess: The preprocess stage's output (the family picks what it reads).
         root: The artifact root (an object-store URL when nodes are other machines).
-        fp: The train stage's fingerprint.
+        fp: The train stage's resume key (`TrainConfig.resume_keyed`): names the resume
+            checkpoints and the nodes' working directories, whatever the layout.
         exchange: This attempt's scratch prefix (`<root>/checkpoints/train/<fp>/exchange/<id>`).
-        hosts: The hostfile's (host, slots) for the first `nodes` nodes.
+        hosts: The hostfile's (host, slots) of each node of this attempt.
         port: The rendezvous port on `config.master_addr`.
+        workers: The worker (`recforge node-worker --node-rank W`) of each node of this
+            attempt; None: node I's is worker I. Another list after `train.min_nodes`
+            let a retry go on without lost nodes.
     """
 
     config: TrainConfig
@@ -155,6 +188,25 @@ class NodeRunSpec:
     exchange: str
     hosts: list[tuple[str, int]]
     port: int
+    workers: list[int] | None = None
+
+    def worker_of(self, node: int) -> int:
+        """The worker that serves node `node` of this attempt."""
+        return node if self.workers is None else self.workers[node]
+
+    def node_of(self, worker: int) -> int:
+        """The node worker `worker` runs in this attempt.
+
+        Raises:
+            ConfigError: The attempt has no node for it (the run reached the wrong worker).
+        """
+        if self.workers is None:
+            return worker
+        if worker not in self.workers:
+            raise ConfigError(
+                f"worker {worker} has no node in this attempt (its workers: {self.workers})"
+            )
+        return self.workers.index(worker)
 
     def to_json(self) -> dict[str, Any]:
         """The spec as JSON-serializable data (the config via its pydantic dump)."""
@@ -224,6 +276,11 @@ _KNOWN_ERRORS: dict[str, type[Exception]] = {
 }
 
 
+def failed_attempts_before(store: ArtifactStore, key: str) -> list[dict[str, Any]]:
+    """The attempts of the train stage (resume key `key`) that failed on this machine."""
+    return read_failed_attempts(store.root / "nodes" / "train" / key)
+
+
 def node_work_dir(root: str, fp: str, index: int) -> Path:
     """Node `index`'s working directory on the machine it runs on."""
     return ArtifactStore(root).root / "nodes" / "train" / fp / f"node-{index}"
@@ -237,7 +294,7 @@ class PerNodeRun:
         shard: The shard stage's output.
         preprocess: The preprocess stage's output.
         store: The artifact store.
-        fp: The train stage's fingerprint.
+        fp: The train stage's resume key.
         env: The launcher's environment (dispatch 'local'; a worker uses its own).
         logger: The train task's logger.
     """
@@ -251,11 +308,14 @@ class PerNodeRun:
         fp: str,
         env: dict[str, str],
         logger: Logger,
+        workers: list[int] | None = None,
     ) -> None:
+        workers = workers or list(range(config.nodes))
+        every = max(workers) + 1
         hosts = (
-            read_hostfile(Path(config.hostfile), config.nodes, config.node_ranks())
+            read_hostfile(Path(config.hostfile), every, config.node_ranks())
             if config.hostfile
-            else node_hosts(config.nodes, config.node_ranks())
+            else node_hosts(every, config.node_ranks())
         )
         self.spec = NodeRunSpec(
             config=config,
@@ -264,12 +324,14 @@ class PerNodeRun:
             root=store.url,
             fp=fp,
             exchange=store.location("checkpoints", "train", fp, "exchange", uuid.uuid4().hex),
-            hosts=hosts,
+            hosts=[hosts[worker] for worker in workers],
             port=config.master_port or free_port(),
+            workers=None if workers == list(range(config.nodes)) else workers,
         )
         self.work = store.root / "nodes" / "train" / fp
         self.env = env
         self.logger = logger
+        self.lost: dict[int, str] = {}
 
     def run(self, out_dir: Path, on_progress: Callable[[dict], None]) -> TrainResult:
         """Run every node; node 0's result, its output in `out_dir`.
@@ -279,10 +341,14 @@ class PerNodeRun:
             found by every node alike); NodeUnavailable when a node's worker never took
             its run; else TrainingCrashed naming each failed node.
         """
-        if self.spec.config.node_dispatch == "workers":
-            result = self._run_on_workers(out_dir, on_progress)
-        else:
-            result = self._run_here(out_dir, on_progress)
+        try:
+            if self.spec.config.node_dispatch == "workers":
+                result = self._run_on_workers(out_dir, on_progress)
+            else:
+                result = self._run_here(out_dir, on_progress)
+        except Exception as error:
+            record_failed_attempt(self.work, error, self.lost)
+            raise
         shutil.rmtree(self.work, ignore_errors=True)
         return result
 
@@ -310,9 +376,19 @@ class PerNodeRun:
             )
             for index in range(self.spec.config.nodes)
         ]
-        wait(futures)
+        # The threads end when their ranks do; once one has failed (and stopped the
+        # others) the rest get STOP_WAIT_S, so that no path waits without a deadline.
+        done, pending = wait(futures, timeout=POLL_S)
+        while pending and not stop.is_set():
+            done, pending = wait(futures, timeout=POLL_S)
+        if pending:
+            done, pending = wait(futures, timeout=STOP_WAIT_S)
         failures: list[tuple[int, BaseException]] = []
         for index, future in enumerate(futures):
+            if future in pending:
+                late = f"node {index}: did not stop within {STOP_WAIT_S:.0f} s of the stop"
+                failures.append((index, TrainingCrashed(late)))
+                continue
             try:
                 future.result()
             except BaseException as error:  # noqa: BLE001 - reported below, per node
@@ -334,6 +410,9 @@ class PerNodeRun:
             spec.config.pickup_timeout_s(),
         )
         states = _await_nodes(futures, spec, self.logger)
+        self.lost = {
+            spec.worker_of(i): str(s) for i, s in enumerate(states) if isinstance(s, NodeLost)
+        }
         failures: list[tuple[int, BaseException]] = []
         for index, state in enumerate(states):
             if isinstance(state, BaseException):
@@ -361,7 +440,7 @@ def send_node_runs(spec: NodeRunSpec) -> list[PrefectFuture]:
     """
     write_json(join(spec.exchange, SPEC_OBJECT), sign(spec.to_json()))
     with tags(EXCHANGE_TAG + spec.exchange):
-        return [node_task(index).delay() for index in range(spec.config.nodes)]
+        return [node_task(spec.worker_of(node)).delay() for node in range(spec.config.nodes)]
 
 
 def exchange_of(run_tags: Iterable[str]) -> str:
@@ -503,6 +582,13 @@ def run_node(
         daemon=True,
     )
     watch.start()
+    beat = threading.Thread(
+        target=_beat,
+        args=(spec.exchange, index, beat_interval_s(config.node_heartbeat_timeout_s), done),
+        name=f"heartbeat-{index}",
+        daemon=True,
+    )
+    beat.start()
     try:
         reason = read_stop(spec.exchange)
         if reason is not None:
@@ -520,6 +606,7 @@ def run_node(
     finally:
         done.set()
         watch.join()
+        beat.join()
     shutil.rmtree(node_dir / "resume", ignore_errors=True)
     return result if index == 0 else None
 
@@ -553,11 +640,13 @@ def node_task(index: int):  # noqa: ANN201 - a Prefect task
     )(train_node)
 
 
-def run_worker_node(index: int, exchange: str) -> str:
-    """In node `index`'s task worker: train this node's ranks; node 0 uploads the output.
+def run_worker_node(worker: int, exchange: str) -> str:
+    """In worker `worker`'s process: train its node's ranks; node 0 uploads the output.
 
-    The spec comes from the exchange, signed; the outcome goes there, signed, also when
-    the node fails (the train task rebuilds its error from it).
+    The spec comes from the exchange, signed, and says which node of the attempt this
+    worker runs (`NodeRunSpec.node_of`: itself, unless a retry went on without lost
+    nodes); the outcome goes there, signed, also when the node fails (the train task
+    rebuilds its error from it).
 
     Returns:
         Where the outcome is (`outcome_location`).
@@ -567,8 +656,10 @@ def run_worker_node(index: int, exchange: str) -> str:
         SignatureError: The spec is not the train task's.
     """
     load_run_key(ArtifactStore(_EXCHANGE.match(exchange)["root"]))
+    index = worker
     try:
         spec = read_spec(exchange)
+        index = spec.node_of(worker)
         outcome = _train_worker_node(spec, index)
     except BaseException as error:
         failed = NodeOutcome(
@@ -710,17 +801,121 @@ def _watch_stop(exchange: str, stop: threading.Event, done: threading.Event) -> 
             continue
 
 
+def beat_interval_s(timeout_s: float) -> float:
+    """How often a node writes its heartbeat, given the train task's timeout."""
+    return min(MAX_BEAT_S, timeout_s / HEARTBEATS_PER_TIMEOUT)
+
+
+def heartbeat_location(exchange: str, index: int) -> str:
+    """Where node `index` leaves its heartbeat."""
+    return str(join(exchange, HEARTBEAT_OBJECT.format(node=index)))
+
+
+def write_heartbeat(exchange: str, index: int, seq: int) -> None:
+    """Node `index`'s heartbeat number `seq`, signed: only a node of the job can beat."""
+    record = {"exchange": exchange, "node": index, "seq": seq}
+    write_json(heartbeat_location(exchange, index), sign(record))
+
+
+def read_heartbeat(exchange: str, index: int) -> int | None:
+    """The sequence number of node `index`'s newest heartbeat; None when there is none.
+
+    A heartbeat that is unsigned, forged or copied from another node or attempt counts
+    as none (logged once): nobody outside the job can keep a dead node alive, and one
+    replayed heartbeat does not advance the number.
+    """
+    location = heartbeat_location(exchange, index)
+    text = read_text_or_none(location)
+    if text is None:
+        return None
+    try:
+        record = loads_verified(text, location)
+        if (record.get("exchange"), record.get("node")) != (exchange, index):
+            raise SignatureError(f"{location} is the heartbeat of another node or attempt")
+        seq = record.get("seq")
+        if not isinstance(seq, int):
+            raise SignatureError(f"{location} has no heartbeat number")
+    except SignatureError as err:
+        if location not in _ignored_stops:
+            _ignored_stops.add(location)
+            logging.getLogger(__name__).warning("ignoring the heartbeat: %s", err)
+        return None
+    return seq
+
+
+def _beat(exchange: str, index: int, interval_s: float, done: threading.Event) -> None:
+    """Write node `index`'s heartbeat every `interval_s` until `done` is set."""
+    seq = 0
+    warned = False
+    while True:
+        try:
+            write_heartbeat(exchange, index, seq)
+            seq += 1
+        except Exception as error:  # noqa: BLE001 - a store hiccup: the next beat may pass
+            if not warned:
+                warned = True
+                logging.getLogger(__name__).warning(
+                    "node %d: could not write its heartbeat: %s", index, error
+                )
+        if done.wait(interval_s):
+            return
+
+
+class _Liveness:
+    """The train task's view of each started node's heartbeat, by its own clock.
+
+    A node's silence is measured from the later of when it was seen starting and when
+    its heartbeat number last advanced: the nodes' clocks play no part.
+    """
+
+    def __init__(self, exchange: str, timeout_s: float) -> None:
+        self.exchange = exchange
+        self.timeout_s = timeout_s
+        self._seq: dict[int, int | None] = {}
+        self._since: dict[int, float] = {}
+
+    def started(self, index: int, now: float) -> None:
+        self._seq[index] = None
+        self._since[index] = now
+
+    def lost(self, index: int, now: float) -> NodeLost | None:
+        """NodeLost when node `index` has been silent for the timeout, else None."""
+        try:
+            seq = read_heartbeat(self.exchange, index)
+        except Exception:  # noqa: BLE001 - the store hiccuped: the clock runs on
+            seq = self._seq[index]
+        if seq is not None and seq != self._seq[index]:
+            self._seq[index], self._since[index] = seq, now
+            return None
+        silent = now - self._since[index]
+        if silent < self.timeout_s:
+            return None
+        last = self._seq[index]
+        heard = f"its last heartbeat was #{last}" if last is not None else "it never beat"
+        return NodeLost(
+            f"node {index}: lost, no heartbeat for {silent:.0f} s "
+            f"(train.node_heartbeat_timeout_s={self.timeout_s:.0f}; {heard}); its worker "
+            "or machine is gone. The other nodes were told to stop; the retry resumes "
+            "from the last checkpoint"
+        )
+
+
 def _await_nodes(
     futures: list[PrefectFuture], spec: NodeRunSpec, logger: Logger
 ) -> list[State | BaseException]:
     """Each node run's final state, or the error that stands for it.
 
-    A run that no worker takes within the pickup timeout becomes NodeUnavailable; once a
-    node has failed, the rest get `STOP_WAIT_S` to report before they count as lost.
+    A run that no worker takes within the pickup timeout, or that vanishes from the API,
+    becomes NodeUnavailable; a started node whose heartbeat does not advance for
+    `train.node_heartbeat_timeout_s` becomes NodeLost (transient: the retry resumes).
+    Once a node has failed, the rest get `STOP_WAIT_S` to report before they count as
+    lost. Every wait here has a deadline.
     """
     nodes = len(futures)
     outcome: dict[int, State | BaseException] = {}
     started: set[int] = set()
+    known: set[int] = set()  # runs the API has answered for
+    liveness = _Liveness(spec.exchange, spec.config.node_heartbeat_timeout_s)
     pickup_deadline = time.monotonic() + spec.config.pickup_timeout_s()
     stop_deadline: float | None = None
     while len(outcome) < nodes:
@@ -729,6 +924,20 @@ def _await_nodes(
             if index in outcome:
                 continue
             state = _state_of(future)
+            if state is None and index in known:
+                # Prefect's task worker deletes a run whose parameters it cannot read.
+                error = NodeUnavailable(
+                    f"node {index}: its run train-node-{index} vanished from the Prefect "
+                    "API after it was created (a task worker deletes a run it cannot "
+                    "submit); check `recforge node-worker` on that node: same recforge "
+                    "version, same PREFECT_API_URL and auth string as this flow"
+                )
+                outcome[index] = error
+                request_stop(spec.exchange, index, error)
+                stop_deadline = stop_deadline or now + STOP_WAIT_S
+                continue
+            if state is not None:
+                known.add(index)
             if state is not None and state.is_final():
                 outcome[index] = state
                 if not state.is_completed() and stop_deadline is None:
@@ -737,13 +946,23 @@ def _await_nodes(
             if state is not None and not state.is_scheduled():  # taken by its worker
                 if index not in started:
                     started.add(index)
+                    liveness.started(index, now)
                     logger.info("train-node-%d started on its worker", index)
-                continue
+                lost = liveness.lost(index, now)
+                if lost is not None:
+                    logger.warning("%s", lost)
+                    outcome[index] = lost
+                    request_stop(spec.exchange, index, lost)
+                    stop_deadline = stop_deadline or now + STOP_WAIT_S
+                    continue
+                if stop_deadline is None or now <= stop_deadline:
+                    continue
             if index not in started and (now > pickup_deadline or stop_deadline is not None):
                 error = NodeUnavailable(
                     f"node {index}: no task worker took its run (train-node-{index}) within "
                     f"{spec.config.pickup_timeout_s():.0f} s; start `recforge node-worker "
-                    f"--node-rank {index}` on that node with this PREFECT_API_URL (node 0's "
+                    f"--node-rank {spec.worker_of(index)}` on that node with this "
+                    "PREFECT_API_URL (node 0's "
                     f"on {spec.config.master_addr}), or raise train.node_pickup_timeout_s"
                     if stop_deadline is None
                     else f"node {index}: not started before another node failed"
@@ -760,6 +979,88 @@ def _await_nodes(
         if len(outcome) < nodes:
             time.sleep(POLL_S)
     return [outcome[index] for index in range(nodes)]
+
+
+def surviving_layout(
+    config: TrainConfig, failed_attempts: list[dict[str, Any]]
+) -> tuple[TrainConfig, list[int] | None, str]:
+    """The layout of the next attempt: all nodes, or, with `train.min_nodes`, the workers
+    that earlier attempts did not lose.
+
+    Returns:
+        (config, None, why) for every node (`why` says why not fewer, "" when nothing
+        was lost); else (the config with `nodes` and `world_size` cut to the survivors,
+        ranks_per_node kept; the survivors' worker indexes; a line for the log).
+    """
+    lost = sorted(
+        {
+            node["node"]
+            for attempt in failed_attempts
+            for node in attempt.get("lost_nodes", [])
+            if isinstance(node, dict) and isinstance(node.get("node"), int)
+        }
+    )
+    if not lost:
+        return config, None, ""
+    if config.min_nodes is None:
+        return config, None, f"waiting for every node again (lost before: {lost})"
+    survivors = [worker for worker in range(config.nodes) if worker not in lost]
+    if 0 in lost or len(survivors) < config.min_nodes:
+        why = (
+            "node 0 holds the rendezvous on train.master_addr"
+            if 0 in lost
+            else f"{len(survivors)} are left, fewer than train.min_nodes={config.min_nodes}"
+        )
+        return config, None, f"waiting for every node again: lost {lost}, and {why}"
+    per_node = config.node_ranks()
+    record = {
+        **config.model_dump(),
+        "nodes": len(survivors),
+        "world_size": len(survivors) * per_node,
+        "ranks_per_node": per_node,
+    }
+    try:
+        smaller = TrainConfig.model_validate(record)
+    except ValidationError as err:
+        return config, None, f"waiting for every node again: {len(survivors)} node(s) " + (
+            f"would not be a valid layout ({err.errors()[0]['msg']})"
+        )
+    line = (
+        f"going on without lost node(s) {lost}: {len(survivors)} node(s) x {per_node} "
+        f"rank(s) on workers {survivors} (train.min_nodes={config.min_nodes})"
+    )
+    return smaller, survivors, line
+
+
+def record_failed_attempt(work: Path, error: BaseException, lost: dict[int, str]) -> None:
+    """Append one failed attempt to `work`'s `ATTEMPTS_FILE` (read by the next attempt)."""
+    record = {
+        "at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "error": type(error).__name__,
+        "message": str(error)[:STOP_MESSAGE_CHARS * 2],
+        "lost_nodes": [
+            {"node": index, "why": why[:STOP_MESSAGE_CHARS]} for index, why in lost.items()
+        ],
+    }
+    work.mkdir(parents=True, exist_ok=True)
+    with attempts_file(work).open("a") as handle:
+        handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def read_failed_attempts(work: Path) -> list[dict[str, Any]]:
+    """The failed attempts `record_failed_attempt` kept in `work`, oldest first."""
+    path = attempts_file(work)
+    if not path.is_file():
+        return []
+    attempts = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if isinstance(record, dict):
+            attempts.append(record)
+    return attempts
 
 
 def _state_of(future: PrefectFuture) -> State | None:

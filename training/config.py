@@ -30,10 +30,31 @@ WHERE_FIELDS = (
     "ssh_port",
     "node_dispatch",
     "node_pickup_timeout_s",
+    "node_heartbeat_timeout_s",
+    "min_nodes",
+)
+
+# Train fields a resume may change: the layout (and what follows it to keep the global
+# batch), and how the run saves and reports. They do not name the resume checkpoints.
+RESUME_FREE_FIELDS = (
+    "world_size",
+    "batch_size",
+    "grad_accum_steps",
+    "data_streams",
+    "pipeline_stages",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "log_every",
+    "tensorboard",
+    "prefetch_batches",
+    "memory_per_rank_gb",
 )
 
 # How long a node's task run waits for its task worker by default (dispatch 'workers').
 NODE_PICKUP_TIMEOUT_S = 600.0
+
+# How long a started node may go without a heartbeat before it is declared lost.
+NODE_HEARTBEAT_TIMEOUT_S = 120.0
 
 
 class SequenceModelConfig(BaseModel):
@@ -150,7 +171,7 @@ _CTR_ONLY_FIELDS = {
     "admission_min_count": "preprocess.min_count sets the item vocabulary; ",
     "pooling": "",
     "tasks": "",
-    "data_streams": "each data-parallel replica reads every replicas-th sequence; ",
+    "data_streams": "the sequence models draw every step from one seeded stream; ",
     "prefetch_batches": "",
 }
 # Fields only the sequence models read.
@@ -332,9 +353,17 @@ class TrainConfig(BaseModel):
     checkpoint_every: int = Field(
         0,
         ge=0,
-        description="CTR models: save a crash-safe checkpoint every this many optimizer "
-        "steps (0: none before the final one). A retry of the train stage resumes from the "
-        "newest valid checkpoint (same world_size).",
+        description="Save a crash-safe resume checkpoint every this many optimizer steps "
+        "(0: no step trigger; see checkpoint_every_s). A retry of the train stage resumes "
+        "from the newest valid checkpoint (same world_size).",
+    )
+    checkpoint_every_s: float = Field(
+        600.0,
+        ge=0,
+        description="Also save a resume checkpoint at the first optimizer step at least this "
+        "many seconds (rank 0's clock) after the run started or last saved one (0: no time "
+        "trigger). With either trigger on (the default), the ranks resume from the newest "
+        "valid checkpoint and SIGTERM saves one and stops; with both 0, neither.",
     )
     keep_checkpoints: int = Field(
         2,
@@ -438,6 +467,24 @@ class TrainConfig(BaseModel):
         description="node_dispatch 'workers': seconds a node's task run may wait for its "
         "worker before the train stage fails naming the node "
         f"(default {NODE_PICKUP_TIMEOUT_S:.0f}).",
+    )
+    min_nodes: int | None = Field(
+        None,
+        ge=1,
+        description="node_dispatch 'workers': when an attempt lost nodes (no heartbeat), "
+        "the retry goes on with the workers that are left if they are at least this many "
+        "and include node 0 (the rendezvous on master_addr): world_size becomes their "
+        "count x ranks_per_node and the run resumes its checkpoint on that layout. "
+        "Default: nodes (every retry waits for all of them).",
+    )
+    node_heartbeat_timeout_s: float = Field(
+        NODE_HEARTBEAT_TIMEOUT_S,
+        ge=5,
+        description="launcher 'per_node': a started node whose heartbeat (a signed object "
+        "it writes to the attempt's exchange every timeout/6 s, at most every 20 s) does "
+        "not advance for this many seconds, by the train task's own clock, is declared "
+        "lost: the other nodes are stopped and the attempt fails as transient, so the "
+        "retry resumes from the last checkpoint.",
     )
     seed: int = Field(0, description="Seed of python, numpy and torch on every rank.")
     log_every: int = Field(20, ge=1, description="Report progress every this many steps.")
@@ -554,6 +601,13 @@ class TrainConfig(BaseModel):
                 f"train.node_dispatch={self.node_dispatch} applies to launcher 'per_node' only; "
                 "remove it or set train.launcher: per_node"
             )
+        if self.min_nodes is not None and (
+            self.node_dispatch != "workers" or self.min_nodes > self.nodes
+        ):
+            raise ValueError(
+                f"train.min_nodes={self.min_nodes} needs node_dispatch 'workers' and at most "
+                f"train.nodes={self.nodes}; remove it or set node_dispatch: workers"
+            )
         if self.node_pickup_timeout_s is not None and self.node_dispatch != "workers":
             raise ValueError(
                 f"train.node_pickup_timeout_s={self.node_pickup_timeout_s} applies to "
@@ -571,8 +625,33 @@ class TrainConfig(BaseModel):
             )
 
     def fingerprinted(self) -> dict:
-        """What the train stage's cache key covers: every field but `WHERE_FIELDS`."""
-        return self.model_dump(exclude=set(WHERE_FIELDS))
+        """What the train stage's cache key covers: every field but `WHERE_FIELDS` and
+        `checkpoint_every_s`.
+
+        checkpoint_every_s says when a run saves, not what it trains, and keeping it out
+        leaves the keys of outputs written before the field existed as they were.
+        (checkpoint_every has always been in the key; taking it out would change them.)
+        """
+        return self.model_dump(exclude={*WHERE_FIELDS, "checkpoint_every_s"})
+
+    def saves_resume_checkpoints(self) -> bool:
+        """Whether the ranks keep resume checkpoints: a step or a time trigger is on."""
+        return bool(self.checkpoint_every or self.checkpoint_every_s)
+
+    def resume_keyed(self) -> dict:
+        """What names the train stage's resume checkpoints: `fingerprinted` less the layout.
+
+        A rerun or retry on another layout (world size, and the per-rank batch, gradient
+        accumulation and stream count that follow it) finds the same checkpoints; the
+        ranks then check what must still match (the global batch, the model, the data)
+        and convert the rest (`training.runtime.rank.find_resume_point`). How a run saves
+        and reports plays no part either.
+        """
+        return {
+            key: value
+            for key, value in self.fingerprinted().items()
+            if key not in RESUME_FREE_FIELDS
+        }
 
     def pickup_timeout_s(self) -> float:
         """node_dispatch 'workers': seconds a node run may wait for its task worker."""
@@ -660,6 +739,104 @@ class TrainConfig(BaseModel):
         """
         ranks = self.world_size if world_size is None else world_size
         return self.batch_size * self.grad_accum_steps * ranks
+
+    def checkpoint_layout(self) -> dict[str, int | None]:
+        """How a resume checkpoint of this config was laid out (its manifest's meta).
+
+        `resume_layout` reads it back to fit another world size to the same steps.
+
+        Returns:
+            {"world_size", "pipeline_stages", "batch_size", "grad_accum_steps",
+            "global_batch_size": sequences or rows per optimizer step over the
+            data-parallel replicas, "data_streams": the CTR reader's streams (None for the
+            sequence models, which draw every step from one stream)}.
+        """
+        sequence = self.model in SEQUENCE_MODELS
+        return {
+            "world_size": self.world_size,
+            "pipeline_stages": self.pipeline_stages,
+            "batch_size": self.batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "global_batch_size": self.global_batch_size(self.data_parallel_size()),
+            "data_streams": None if sequence else self.num_data_streams(),
+        }
+
+
+def resume_layout(config: TrainConfig, meta: dict) -> TrainConfig:
+    """`config` refitted to resume a checkpoint on its own world size with the same steps.
+
+    A checkpoint resumes on another world size only with the global batch (and, for
+    the CTR models, the data streams) it was written with. This keeps `config`'s
+    world_size and pipeline_stages and sets grad_accum_steps (or, for the CTR models when
+    batch_size does not divide a replica's share, batch_size) so that the global batch
+    and data_streams are the checkpoint's. The sequence models take the checkpoint's
+    batch_size: their loss is a mean over each micro batch's positions, so another micro
+    batch would train other steps (`find_resume_point` refuses it).
+
+    Args:
+        config: The train config of the run about to start.
+        meta: The checkpoint manifest's meta (`checkpoint_layout` plus the counters); a
+            checkpoint written before the layout was recorded returns `config` as is.
+
+    Returns:
+        The config to launch with (`config` itself when nothing changes).
+
+    Raises:
+        ConfigError: The layout cannot be fitted (the message names the fields and what
+            to set): another pipeline_stages, data-parallel replicas that do not divide
+            the global batch (for a sequence model: its micro batches), or data_streams
+            that are no multiple of world_size.
+    """
+    if "global_batch_size" not in meta:
+        return config
+    target = int(meta["global_batch_size"])
+    stages = int(meta.get("pipeline_stages", 1))
+    if stages != config.pipeline_stages:
+        raise ConfigError(
+            f"the checkpoint was written with train.pipeline_stages={stages} and this run has "
+            f"{config.pipeline_stages}: a pipeline checkpoint holds its optimizer state per "
+            f"stage; set pipeline_stages: {stages} (world_size a multiple of it)"
+        )
+    replicas = config.data_parallel_size()
+    if target % replicas:
+        raise ConfigError(
+            f"train.world_size={config.world_size} gives {replicas} data-parallel replicas, "
+            f"which do not divide the checkpoint's global batch of {target}; choose a "
+            f"world_size whose replicas divide {target}"
+        )
+    share = target // replicas  # samples per replica and step
+    update: dict[str, int | None] = {}
+    if config.model in SEQUENCE_MODELS:
+        batch = int(meta["batch_size"])
+        if share % batch:
+            raise ConfigError(
+                f"train.world_size={config.world_size} gives {replicas} data-parallel replicas, "
+                f"which do not divide the checkpoint's {target // batch} micro batches of "
+                f"{batch} sequences per step (batch_size stays: a micro batch's loss is a mean "
+                "over its positions); choose a world_size whose replicas divide "
+                f"{target // batch}"
+            )
+        update.update(batch_size=batch, grad_accum_steps=share // batch)
+    elif share % config.batch_size == 0:
+        update["grad_accum_steps"] = share // config.batch_size
+    elif share % config.grad_accum_steps == 0:
+        update["batch_size"] = share // config.grad_accum_steps
+    else:
+        update.update(batch_size=share, grad_accum_steps=1)
+    streams = meta.get("data_streams")
+    if streams is not None and config.model not in SEQUENCE_MODELS:
+        update["data_streams"] = int(streams)
+    changed = {k: v for k, v in update.items() if getattr(config, k) != v}
+    if not changed:
+        return config
+    try:
+        return TrainConfig.model_validate({**config.model_dump(), **changed})
+    except ValueError as error:
+        raise ConfigError(
+            f"resuming the checkpoint (global batch {target}, data_streams {streams}) on "
+            f"train.world_size={config.world_size} needs {changed}, which the config "
+            f"refuses: {error}"
+        ) from None
 
 
 class EvaluateConfig(BaseModel):

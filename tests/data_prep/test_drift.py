@@ -60,3 +60,16 @@ def test_psi_of_identical_distributions_is_zero_and_new_values_pool():
     dist = {"a": 0.6, "b": 0.4, "__other__": 0.0}
     assert population_stability_index(dist, dist) == pytest.approx(0.0)
     assert population_stability_index(dist, {"z": 1.0}) > 1.0
+
+
+def test_64_bit_hashed_ids_are_summarised(tmp_path, schema):
+    # Upstream systems hand over 64-bit hashed ids: float64 cannot hold them exactly,
+    # which must not fail the statistics (they are approximate by nature).
+    write_events(tmp_path / "e")
+    table = pq.read_table(tmp_path / "e" / "part-00000.parquet")
+    ids = np.array([2**63 - 1, 2**53 + 1, -(2**62) - 3] * (table.num_rows // 3 + 1))
+    table = table.set_column(1, "user_id", pa.array(ids[: table.num_rows], pa.int64()))
+    pq.write_table(table, tmp_path / "e" / "part-00000.parquet")
+    user = compute_stats(tmp_path / "e", schema)["columns"]["user_id"]
+    assert user["max"] == pytest.approx(2.0**63) and user["min"] == pytest.approx(-(2.0**62))
+    assert str(2**63 - 1) in user["top"]  # the ids themselves, exactly

@@ -184,3 +184,16 @@ def test_an_object_store_that_does_not_answer_fails_before_prefect_starts(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot reach the artifact store s3://bucket/x" in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_node_worker_whose_prefect_api_does_not_answer_fails_at_start(capsys, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    url = "http://127.0.0.1:1/api"  # nothing listens there
+    monkeypatch.setenv("PREFECT_API_URL", url)
+    started = time.monotonic()
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        code = main(["node-worker", "--node-rank", "1"])
+    assert code == 2 and time.monotonic() - started < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the Prefect API at {url} did not answer" in err[0], err

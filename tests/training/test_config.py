@@ -7,7 +7,15 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from training.config import EvaluateConfig, ExportConfig, TrainConfig, evaluate_export_problems
+from artifacts.errors import ConfigError
+from training.config import (
+    EvaluateConfig,
+    ExportConfig,
+    TrainConfig,
+    evaluate_export_problems,
+    resume_layout,
+)
+from training.runtime.stage import NOT_FINGERPRINTED
 
 CONFIGS = [TrainConfig, EvaluateConfig, ExportConfig]
 
@@ -46,7 +54,14 @@ def test_cross_interaction_allows_any_bottom_mlp() -> None:
 
 @pytest.mark.parametrize(
     "override",
-    [{"zero_stage": 4}, {"precision": "fp8"}, {"epochs": 0}, {"top_mlp": [0]}, {"sparse_lr": 0}],
+    [
+        {"zero_stage": 4},
+        {"precision": "fp8"},
+        {"epochs": 0},
+        {"top_mlp": [0]},
+        {"sparse_lr": 0},
+        {"checkpoint_every_s": -1},
+    ],
 )
 def test_out_of_range_values_are_rejected(override: dict) -> None:
     with pytest.raises(ValidationError):
@@ -58,6 +73,38 @@ def test_global_batch_size_is_derived() -> None:
     assert config.global_batch_size() == 192
     assert config.global_batch_size(world_size=4) == 384
     assert "global_batch_size" not in config.model_dump()
+
+
+def test_resume_layout_keeps_the_checkpoints_global_batch_on_another_world_size() -> None:
+    # CTR: 2 ranks x 32 rows over 2 streams, resumed on 1 rank, then on 4.
+    meta = {**TrainConfig(batch_size=32, data_streams=4).checkpoint_layout(), "step": 8}
+    assert meta["global_batch_size"] == 64 and meta["data_streams"] == 4
+    one = resume_layout(TrainConfig(world_size=1, batch_size=32), meta)
+    assert (one.batch_size, one.grad_accum_steps, one.data_streams) == (32, 2, 4)
+    four = resume_layout(TrainConfig(world_size=4, batch_size=32), meta)
+    assert (four.batch_size, four.grad_accum_steps, four.global_batch_size()) == (16, 1, 64)
+    same = TrainConfig(batch_size=32, data_streams=4)
+    assert resume_layout(same, meta) is same
+    with pytest.raises(ConfigError, match="train.world_size=3 gives 3 data-parallel replicas"):
+        resume_layout(TrainConfig(world_size=3, batch_size=32), meta)
+    two_streams = {**meta, "data_streams": 2}
+    with pytest.raises(ConfigError, match="data_streams"):
+        resume_layout(TrainConfig(world_size=4, batch_size=16), two_streams)
+    # Written before the layout was recorded: nothing to fit.
+    old = TrainConfig(world_size=1)
+    assert resume_layout(old, {"step": 8, "world_size": 2}) is old
+
+    # Sequence models: the checkpoint's micro batch, more of them per replica.
+    sasrec = {"model": "sasrec", "batch_size": 8, "world_size": 2}
+    meta = TrainConfig(**sasrec).checkpoint_layout()
+    assert (meta["global_batch_size"], meta["data_streams"]) == (16, None)
+    one = resume_layout(TrainConfig(**{**sasrec, "world_size": 1, "batch_size": 16}), meta)
+    assert (one.batch_size, one.grad_accum_steps) == (8, 2)
+    with pytest.raises(ConfigError, match="do not divide the checkpoint's 2 micro batches"):
+        resume_layout(TrainConfig(**{**sasrec, "world_size": 4}), meta)
+    stages = TrainConfig(**{**sasrec, "pipeline_stages": 2, "zero_stage": 0})
+    with pytest.raises(ConfigError, match="pipeline_stages=1 and this run has 2"):
+        resume_layout(stages, meta)
 
 
 def test_config_module_imports_without_torch() -> None:
@@ -83,6 +130,23 @@ def test_inconsistent_settings_name_the_fields_to_change(override: dict, names: 
 def test_data_streams_default_to_the_world_size() -> None:
     assert TrainConfig(world_size=4, batch_size=8).num_data_streams() == 4
     assert TrainConfig(world_size=1, data_streams=2, batch_size=8).num_data_streams() == 2
+
+
+def test_resume_checkpoints_are_on_by_default_and_off_only_with_both_triggers_off() -> None:
+    assert TrainConfig().checkpoint_every_s == 600 and TrainConfig().checkpoint_every == 0
+    assert TrainConfig().saves_resume_checkpoints()
+    assert TrainConfig(checkpoint_every=5, checkpoint_every_s=0).saves_resume_checkpoints()
+    assert not TrainConfig(checkpoint_every_s=0).saves_resume_checkpoints()
+
+
+def test_checkpoint_every_s_is_in_neither_the_cache_key_nor_the_resume_fingerprint() -> None:
+    key = TrainConfig().fingerprinted()
+    # The keys of train outputs written before the field existed stay what they were.
+    assert "checkpoint_every_s" not in key
+    assert TrainConfig(checkpoint_every_s=5).fingerprinted() == key
+    assert TrainConfig(checkpoint_every=5).fingerprinted() != key  # in the key, as it was
+    # A resume may change either trigger.
+    assert {"checkpoint_every", "checkpoint_every_s"} <= set(NOT_FINGERPRINTED)
 
 
 def test_dropout_is_for_the_ctr_mlps() -> None:

@@ -245,6 +245,7 @@ class ShardReader:
         num_streams: int,
         tasks: list[str] | None = None,
         prefetch: int = 4,
+        grad_accum_steps: int = 1,
     ) -> None:
         """Plan the streams of this rank; the worker starts on the first `next()`.
 
@@ -258,6 +259,11 @@ class ShardReader:
             num_streams: Streams the split is read as (`train.num_data_streams()`).
             tasks: Label columns (`train.tasks`); None for the primary label only.
             prefetch: Batches decoded ahead (`train.prefetch_batches`).
+            grad_accum_steps: Batches per optimizer step (`train.grad_accum_steps`): an
+                epoch is whole optimizer steps, so its rows (stream rows // the rows a
+                step takes from a stream) do not depend on how a step is split into
+                ranks and micro batches, and a resume on another split sees the same
+                rows.
 
         Raises:
             ConfigError: num_streams is not a multiple of world_size, batch_size * world_size
@@ -285,14 +291,16 @@ class ShardReader:
         split_meta = meta.split(split)
         labels = meta.task_labels(tasks)
         self.rows_per_stream = batch_size * world_size // num_streams
-        self.steps_per_epoch = steps_per_epoch(meta, split, num_streams, self.rows_per_stream)
+        per_epoch = steps_per_epoch(meta, split, num_streams, self.rows_per_stream)
+        self.steps_per_epoch = per_epoch // grad_accum_steps * grad_accum_steps
         if self.steps_per_epoch == 0:
             smallest = min(_stream_rows(split_meta, num_streams))
             raise ConfigError(
                 f"split {split!r} is too small for batch_size * world_size = "
                 f"{batch_size * world_size} rows per step: its smallest of {num_streams} "
-                f"streams has {smallest} rows, fewer than the {self.rows_per_stream} each "
-                "stream gives per step; lower train.batch_size (or train.world_size)"
+                f"streams has {smallest} rows, fewer than the "
+                f"{self.rows_per_stream * grad_accum_steps} each stream gives per optimizer "
+                "step; lower train.batch_size or grad_accum_steps (or train.world_size)"
             )
         self.streams = list(range(rank, num_streams, world_size))
         slices = [stream_slices(split_meta, stream, num_streams) for stream in self.streams]

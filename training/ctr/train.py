@@ -119,7 +119,7 @@ def train_model(
         memory_budget: (bytes per rank, where that figure comes from) for the memory
             planner when `train.memory_per_rank_gb` (GiB) is unset; on CPU it is taken
             to be this machine's memory split over the ranks. None skips the check then.
-        checkpoint_root: Where `train.checkpoint_every` checkpoints go (see
+        checkpoint_root: Where the resume checkpoints go (see
             `artifacts.checkpoints`); a call with the same root and config resumes from
             the newest valid one. Pass a directory that outlives `out_dir` (the train
             task uses one per fingerprint) so that a retry resumes. Default
@@ -226,16 +226,23 @@ def plan_ctr_run(
 def config_fingerprint(spec: Mapping[str, Any]) -> str:
     """sha256 of what a resumed run must share with the run that wrote the checkpoint.
 
-    The train config (less reporting and saving fields, and the per-rank batch), the
-    global batch and data streams, the model and DeepSpeed configs, the step plan and
-    the data (its manifest's sha256s, or its location).
+    The train config (less reporting and saving fields, and how a step is split into
+    ranks and micro batches), the global batch and data streams, the model and DeepSpeed
+    configs, the step plan and the data (its manifest's sha256s, or its location).
     """
     config = TrainConfig.model_validate(spec["train_config"])
     # The world size may change between runs (the checkpoint is converted and its rows
-    # re-sharded) as long as the global batch and the data streams stay the same.
-    dropped = (*NOT_FINGERPRINTED, "world_size", "batch_size", "data_streams")
+    # re-sharded) as long as the global batch and the data streams stay the same: a micro
+    # batch's loss is the mean over its rows and the W x G micro batches of a step are
+    # averaged, so any split of the step's rows into equal micro batches takes its step.
+    split = ("world_size", "batch_size", "grad_accum_steps", "data_streams")
+    dropped = (*NOT_FINGERPRINTED, *split)
     train_config = {k: v for k, v in spec["train_config"].items() if k not in dropped}
-    per_rank = ("train_batch_size", "train_micro_batch_size_per_gpu")
+    per_rank = (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+    )
     ds_config = {k: v for k, v in spec["ds_config"].items() if k not in per_rank}
     payload = {
         "train_config": train_config,

@@ -15,9 +15,10 @@ Writes, into the spec's `out_dir`:
 - `train_summary.json`: final loss, steps, throughput, time split, memory, and the step
   the run resumed from (rank 0);
 
-and, with `train.checkpoint_every`, crash-safe resume checkpoints under the spec's
-`checkpoint_root` (see `save_resume_checkpoint`, `artifacts.checkpoints`): at start the
-ranks continue from the newest valid one, on the same or another world size.
+and, with `train.checkpoint_every` or `train.checkpoint_every_s` (on by default),
+crash-safe resume checkpoints under the spec's `checkpoint_root` (see
+`save_resume_checkpoint`, `artifacts.checkpoints`): at start the ranks continue from the
+newest valid one, on the same or another world size.
 
 Embeddings: with `train.embeddings: sharded` the table lives in a `ShardedEmbedding`
 (rows sharded over ranks, all-to-all lookups, row-wise sparse optimizer) and
@@ -31,8 +32,9 @@ both all-to-alls), dense (forward and backward) and optimizer (gradients to the
 owners, the dense step, the sparse step).
 
 Preemption: with resume checkpoints on, SIGTERM does not kill a rank. The ranks agree
-at the next optimizer step (one all-reduce of a flag per step), save a resume checkpoint
-of that step, and exit with `Preempted`, which the parent retries as a crash.
+at the next optimizer step (one all-reduce per step, which also carries rank 0's
+checkpoint_every_s timer), save a resume checkpoint of that step, and exit with
+`Preempted`, which the parent retries as a crash.
 
 The only environment this process reads is what the launcher sets for
 `deepspeed.init_distributed` (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); the
@@ -150,13 +152,18 @@ def load_resume_point(
     reader: ShardReader,
     num_rows: int,
     skip_restore: frozenset[str] = frozenset(),
+    grad_accum_steps: int = 1,
 ) -> dict[str, int]:
     """Every rank: load the dense part, its embedding rows, RNG states and reader position.
 
     `skip_restore` ("rng", "reader") leaves those out: the chaos tests' negative control.
+    The checkpoint may have split its steps into other micro batches (another world size,
+    batch_size and grad_accum_steps with the same global batch): the reader position is
+    kept in optimizer steps, and the counters are this run's.
 
     Returns:
-        The counters saved with the checkpoint ({"step", "micro_done"}).
+        The counters of the checkpoint's step ({"step", "micro_done"}), in this run's
+        micro batches (`grad_accum_steps` per step).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     old_world = int(point.meta["world_size"])
@@ -183,8 +190,13 @@ def load_resume_point(
     if "rng" not in skip_restore:
         set_rng_state(state["rng"])
     if "reader" not in skip_restore:
-        reader.restore(first["reader"])
-    counters = {"step": int(point.meta["step"]), "micro_done": int(point.meta["micro_done"])}
+        # Both count micro batches; an epoch is whole optimizer steps for either.
+        old_accum = int(point.meta.get("grad_accum_steps", grad_accum_steps))
+        position = dict(first["reader"])
+        position["step"] = position["step"] // old_accum * grad_accum_steps
+        reader.restore(position)
+    step = int(point.meta["step"])
+    counters = {"step": step, "micro_done": step * grad_accum_steps}
     if rank == 0:
         record = {**counters, "checkpoint": str(point.path), "from_world_size": old_world}
         print(RESUME_PREFIX + json.dumps(record), flush=True)
@@ -280,8 +292,9 @@ class _Rank:
         engine: The DeepSpeed engine of the dense part.
         store: This rank's embedding shard (sharded embeddings), else None.
         reader: This rank's train split reader.
-        resume_store: The resume checkpoints (train.checkpoint_every), else None.
-        preemption: SIGTERM agreement (with resume checkpoints), else None.
+        resume_store: The resume checkpoints (train.checkpoint_every or
+            checkpoint_every_s), else None.
+        preemption: SIGTERM and timer agreement (with resume checkpoints), else None.
         counters: Where the run stands.
     """
 
@@ -310,7 +323,9 @@ def run(spec: dict[str, Any]) -> None:
     rank, world_size = _start_rank(spec, config)
     module, store = _build_modules(spec, config, rank, world_size)
     engine, resume_store, resume_point = _initialize_engine(spec, config, module)
-    preemption = Preemption(engine.device) if resume_store is not None else None
+    preemption = (
+        Preemption(engine.device, config.checkpoint_every_s) if resume_store is not None else None
+    )
     reader = _open_reader(spec, config, rank, world_size)
     on_rank0 = rank == 0
     writer = open_tensorboard(
@@ -322,7 +337,9 @@ def run(spec: dict[str, Any]) -> None:
     if resume_point is not None:
         skip = frozenset(spec.get("chaos", {}).get("skip_restore", []))
         table_rows = sum(spec["model_config"]["table_sizes"])
-        resumed = load_resume_point(resume_point, engine, store, reader, table_rows, skip)
+        resumed = load_resume_point(
+            resume_point, engine, store, reader, table_rows, skip, config.grad_accum_steps
+        )
         counters.step, counters.micro_done = resumed["step"], resumed["micro_done"]
         counters.resumed_from_step = resumed["step"]
         counters.resumed_from_world_size = int(resume_point.meta["world_size"])
@@ -413,14 +430,14 @@ def _build_modules(
 def _initialize_engine(
     spec: dict[str, Any], config: TrainConfig, module: torch.nn.Module
 ) -> tuple[deepspeed.DeepSpeedEngine, CheckpointStore | None, ResumePoint | None]:
-    """The DeepSpeed engine, and with train.checkpoint_every the resume store and point.
+    """The DeepSpeed engine, and with resume checkpoints on the resume store and point.
 
-    A checkpoint of another world size under ZeRO 1-2 loads as DeepSpeed's universal
+    A checkpoint of another world size under ZeRO 1-3 loads as DeepSpeed's universal
     checkpoint, which the engine must be told of when it is built.
     """
     ds_config = spec["ds_config"]
     resume_store, resume_point = None, None
-    if config.checkpoint_every:
+    if config.saves_resume_checkpoints():
         resume_store = CheckpointStore(
             Path(spec["checkpoint_root"]), keep=config.keep_checkpoints, log=print
         )
@@ -453,6 +470,7 @@ def _open_reader(
         config.num_data_streams(),
         tasks=spec["model_config"]["tasks"],
         prefetch=config.prefetch_batches,
+        grad_accum_steps=config.grad_accum_steps,
     )
 
 
@@ -571,12 +589,18 @@ def _optimizer_step(
 def _checkpoint_step(state: _Rank) -> None:
     """Every rank, after a step: save a resume checkpoint when one is due or SIGTERM came.
 
+    One is due every train.checkpoint_every steps and once train.checkpoint_every_s
+    seconds have passed on rank 0 since the start or the last save.
+
     Raises:
         Preempted: SIGTERM arrived (after the checkpoint is committed).
     """
     spec, step, resume_store = state.spec, state.counters.step, state.resume_store
-    stop = state.preemption is not None and state.preemption.agreed()
-    if resume_store is None or not (step % state.config.checkpoint_every == 0 or stop):
+    if resume_store is None or state.preemption is None:
+        return
+    decision = state.preemption.agreed()  # the same on every rank
+    every, stop = state.config.checkpoint_every, decision.stop
+    if not ((every and step % every == 0) or decision.timed or stop):
         return
     if step >= int(spec["total_steps"]):
         return  # the final state is saved anyway
@@ -589,7 +613,10 @@ def _checkpoint_step(state: _Rank) -> None:
         spec["config_fingerprint"],
         spec.get("chaos", {}).get("checkpoint_fault", ""),
         NodeExchange.from_spec(spec.get("node_exchange")),
+        # What a resume on another world size fits its batch to (`resume_layout`).
+        extra_meta=state.config.checkpoint_layout(),
     )
+    state.preemption.saved()
     if stop:
         raise Preempted(
             f"stopped by SIGTERM after step {step}; its resume checkpoint is "

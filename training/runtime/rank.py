@@ -16,7 +16,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, MutableMapping
+import time
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -141,25 +142,63 @@ def chaos_fault(step: int, setting: str) -> Callable[[str], None] | None:
     return die
 
 
-class Preemption:
-    """SIGTERM as a request to checkpoint and stop at the next optimizer step.
+@dataclass(frozen=True)
+class StepDecision:
+    """What every rank agreed on after an optimizer step.
 
-    Installing it replaces the default SIGTERM action (exit at once) of this process.
+    Attributes:
+        stop: Some rank was sent SIGTERM: checkpoint this step and stop.
+        timed: Rank 0's checkpoint interval (train.checkpoint_every_s) has elapsed.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    stop: bool
+    timed: bool
+
+
+class Preemption:
+    """SIGTERM as a request to checkpoint and stop at the next optimizer step, and the
+    time trigger of resume checkpoints (train.checkpoint_every_s).
+
+    Both are decided by one all-reduce per step, so every rank takes the same decision
+    at the same step, whatever its own clock says: the time trigger is rank 0's.
+    Installing it replaces the default SIGTERM action (exit at once) of this process.
+
+    Args:
+        device: Where the all-reduced flags live (the engine's device).
+        checkpoint_every_s: Seconds between timed checkpoints; 0: none.
+        clock: Rank 0's seconds (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        checkpoint_every_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.requested = False
         self._device = device
+        self._every_s = checkpoint_every_s
+        self._clock = clock
+        # Only rank 0's clock counts: the ranks' clocks differ.
+        self._keeps_time = checkpoint_every_s > 0 and torch.distributed.get_rank() == 0
+        self._last_saved = clock()
         signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.requested = True
 
-    def agreed(self) -> bool:
-        """Every rank, at the same step: whether any rank has been asked to stop."""
-        flag = torch.tensor([float(self.requested)], device=self._device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+    def agreed(self) -> StepDecision:
+        """Every rank, at the same step: whether any rank has been asked to stop, and
+        whether rank 0's checkpoint interval has elapsed (one all-reduce of both)."""
+        due = self._keeps_time and self._clock() - self._last_saved >= self._every_s
+        flags = torch.tensor([float(self.requested), float(due)], device=self._device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        stop, timed = flags.tolist()
+        return StepDecision(stop=bool(stop), timed=bool(timed))
+
+    def saved(self) -> None:
+        """Every rank, after committing a resume checkpoint: the interval starts again."""
+        self._last_saved = self._clock()
 
 
 def rank_state_file(rank: int) -> str:
@@ -224,7 +263,7 @@ class ResumePoint:
         path: The committed checkpoint directory.
         meta: Its manifest's meta (step counters, world_size, fingerprint).
         dense_dir: Where DeepSpeed loads the dense part from (`path`, or the universal
-            conversion when the world size changed under ZeRO 1-2), under tag `dense`.
+            conversion when the world size changed under ZeRO 1-3), under tag `dense`.
         universal: Whether `dense_dir` is a universal checkpoint.
     """
 
@@ -238,24 +277,39 @@ def find_resume_point(
     store: CheckpointStore,
     fingerprint: str,
     zero_stage: int,
-    convertible: bool = True,
     exchange: NodeExchange | None = None,
+    pipeline_layout: Mapping[str, Any] | None = None,
 ) -> ResumePoint | None:
     """Every rank: the newest valid checkpoint of this run, prepared for this world size.
 
     Rank 0 picks it (verifying every file's sha256, falling back past a partial or
     corrupt one with a log line) and tells the others its step. A checkpoint of another
-    world size is resumable: under ZeRO 1-2 rank 0 converts its dense part into
-    DeepSpeed's universal format once (next to the checkpoints, published by rename);
-    the embedding rows are re-sharded when loaded. With `convertible` False (pipeline
-    runs, whose layer files are per stage), only the world size that wrote it resumes.
+    world size is resumable (the fingerprint holds the global batch): under ZeRO 1-3
+    rank 0 converts its dense part into DeepSpeed's universal format once (next to the
+    checkpoints, published by rename), ZeRO-0 loads as it is; the embedding rows are
+    re-sharded when loaded.
+
+    A pipeline run (`pipeline_layout` given) loads its checkpoint as it is: the layer
+    files do not depend on the stage split, and under ZeRO-0 each stage's optimizer
+    state is one file (`mp_rank_SS`) whatever the data-parallel degree. So it resumes
+    on another data-parallel degree with the same stages, ZeRO-0 and micro batch
+    (`_check_pipeline_layout` refuses the rest).
+
+    Args:
+        store: The run's resume checkpoints.
+        fingerprint: The run's config fingerprint; another one's checkpoint is refused.
+        zero_stage: train.zero_stage.
+        exchange: Nodes that share no disk (`NodeExchange`); None: a shared one.
+        pipeline_layout: A pipeline run's `TrainConfig.checkpoint_layout()`; None for a
+            CTR run.
 
     Returns:
         The resume point, or None for a fresh start.
 
     Raises:
-        ConfigError: The checkpoint was written by another config, or with another world
-            size under ZeRO-3 (no conversion).
+        ConfigError: The checkpoint was written by another config, or by a pipeline
+            layout this one cannot load (another stage count, data-parallel degree under
+            ZeRO-1, micro batch size); the message says what to set.
         CheckpointCorrupt: Checkpoints exist but none is valid (never a silent restart).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -278,27 +332,69 @@ def find_resume_point(
             "two runs. Restore the config it was written with, or delete "
             f"{store.root} to start this config from scratch"
         )
-    if not convertible and meta["world_size"] != world_size:
-        raise ConfigError(
-            f"{path} was written by {meta['world_size']} pipeline ranks and this run has "
-            f"{world_size}: pipeline checkpoints resume on the world size and stage count "
-            f"that wrote them; set train.world_size={meta['world_size']}, or delete "
-            f"{store.root} to start over"
-        )
+    if pipeline_layout is not None:
+        _check_pipeline_layout(path, meta, pipeline_layout, world_size, zero_stage, store.root)
+        return ResumePoint(path, meta, path, universal=False)
     if meta["world_size"] == world_size or zero_stage == 0:
         # ZeRO-0 keeps the whole optimizer state in one file: any world size loads it.
         return ResumePoint(path, meta, path, universal=False)
-    if zero_stage == 3:
-        raise ConfigError(
-            f"{path} was written by {meta['world_size']} ranks with ZeRO-3, and this run has "
-            f"{world_size}: ZeRO-3 checkpoints are not converted; resume with world_size="
-            f"{meta['world_size']}, or use ZeRO 0-2"
-        )
     universal = store.root / "universal" / path.name
     if exchange.leads(rank) and not universal.is_dir():
         _convert_to_universal(path / DENSE_TAG, universal)
     dist.barrier()  # the conversion is published
     return ResumePoint(path, meta, universal, universal=True)
+
+
+def _check_pipeline_layout(
+    path: Path,
+    meta: Mapping[str, Any],
+    layout: Mapping[str, Any],
+    world_size: int,
+    zero_stage: int,
+    root: Path,
+) -> None:
+    """Refuse a pipeline checkpoint this run's layout cannot load as it is.
+
+    Raises:
+        ConfigError: Another stage count (the optimizer state is per stage), another
+            data-parallel degree under ZeRO-1 (the stage's state is partitioned over the
+            replicas, and pipeline checkpoints are not converted), or another micro batch
+            size (a micro batch's loss is the mean over its positions, so regrouping the
+            sequences trains other steps).
+    """
+    old_world = int(meta["world_size"])
+    start_over = f"or delete {root} to start over"
+    if "pipeline_stages" not in meta:  # written before the layout was recorded
+        if old_world != world_size:
+            raise ConfigError(
+                f"{path} was written by {old_world} pipeline ranks and this run has "
+                f"{world_size}, and it does not record its layout; set train.world_size="
+                f"{old_world}, {start_over}"
+            )
+        return
+    stages = int(meta["pipeline_stages"])
+    if stages != layout["pipeline_stages"]:
+        raise ConfigError(
+            f"{path} was written with train.pipeline_stages={stages} and this run has "
+            f"{layout['pipeline_stages']}: a pipeline checkpoint holds its optimizer state per "
+            f"stage, which another stage split cannot load; set pipeline_stages: {stages} "
+            f"(world_size a multiple of it), {start_over}"
+        )
+    if int(meta["batch_size"]) != layout["batch_size"]:
+        raise ConfigError(
+            f"{path} was written with train.batch_size={meta['batch_size']} sequences per "
+            f"micro batch and this run has {layout['batch_size']}: a micro batch's loss is the "
+            "mean over its positions, so other micro batches would train other steps; set "
+            f"batch_size: {meta['batch_size']} and grad_accum_steps so that the global batch "
+            f"stays {meta['global_batch_size']} ({start_over})"
+        )
+    if old_world != world_size and zero_stage != 0:
+        raise ConfigError(
+            f"{path} was written by {old_world} pipeline ranks with ZeRO-{zero_stage} and this "
+            f"run has {world_size}: ZeRO-{zero_stage} partitions each stage's optimizer state "
+            "over the data-parallel replicas, and pipeline checkpoints are not converted; "
+            f"set train.world_size={old_world}, {start_over}"
+        )
 
 
 def _check_every_node_has(store: CheckpointStore, path: Path, leads: bool) -> None:

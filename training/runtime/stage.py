@@ -45,6 +45,7 @@ NOT_FINGERPRINTED = (
     "log_every",
     "tensorboard",
     "checkpoint_every",
+    "checkpoint_every_s",
     "keep_checkpoints",
     "prefetch_batches",
     "memory_per_rank_gb",
@@ -159,7 +160,7 @@ def run_train_stage(
     collects = node is None or node.node_rank in (None, 0)
     # Resumable runs share their checkpoints across attempts: record who writes them.
     # (Sequence models' in-training validation keeps its best weights there too.)
-    resumable = config.checkpoint_every or config.eval_every_epochs
+    resumable = config.saves_resume_checkpoints() or config.eval_every_epochs
     owner = plan.checkpoint_root / RANKS_FILE if resumable else None
     summary = launch_ranks(command, launch_env, out_dir, on_log, on_progress, owner, collects, stop)
     if summary is None:

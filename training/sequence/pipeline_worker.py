@@ -28,20 +28,26 @@ spec's resolved train config and DeepSpeed config.
 
 Reproducibility: every layer is built from its own seed (`seed_layers`: layer i is
 seeded with `layer_base_seed(train.seed) + i`), so the weights do not depend on how the
-layers are split into stages; the micro batches come from generators seeded by train.seed and
-the data-parallel replica, identical on the first and the last stage of a replica
-(replicas get different synthetic streams, or every replicas-th Parquet row). A
-1-stage and a 2-stage run of the same spec thus train the same model on the same data.
+layers are split into stages. Every optimizer step takes replicas x grad_accum_steps micro
+batches of one global stream, each drawn from seeds of its own (train.seed and its number
+in the stream: `micro_batches`); replica r runs that step's micro batches r x G .. r x G +
+G - 1, on its first and its last stage alike. DeepSpeed reseeds every layer's forward
+(dropout) from the module's micro batch counter, which is set to the same global number
+before every step. So a step trains on the same micro batches with the same dropout masks
+whatever the stages and however its micro batches are split into replicas and
+accumulation steps: 1 stage or 2, 2 replicas x 1 or 1 replica x 2 train the same model.
 
-Resume: with `train.checkpoint_every` set, the ranks save crash-safe resume checkpoints
-under `checkpoint_root` every that many steps and on SIGTERM (`training.runtime.rank`'s
+Resume: with `train.checkpoint_every` or `train.checkpoint_every_s` set (the latter is by
+default) and a `checkpoint_root`, the ranks save crash-safe resume checkpoints there every
+that many steps, every that many seconds (rank 0's clock, agreed by every rank at the
+same step) and on SIGTERM (`training.runtime.rank`'s
 `save_resume_checkpoint` and `Preemption`: DeepSpeed's pipeline checkpoint, each rank's
-RNG states, a manifest with the config fingerprint). At start they continue from the
-newest valid one, on the world size that wrote it. The micro batch stream is replayed
-from its seed up to the step (drawing batches costs no model compute), and the
-pipeline module's micro batch counter is set to match, since DeepSpeed reseeds every
-layer's forward from it: the resumed run trains on the same batches with the same
-dropout masks.
+RNG states, a manifest with the config fingerprint and the layout). At start they
+continue from the newest valid one, on the same stages and micro batch size with any
+data-parallel degree under ZeRO-0 (only the one that wrote it under ZeRO-1:
+`find_resume_point`), the global batch kept by grad_accum_steps. The micro batch stream
+starts at the step (each micro batch has seeds of its own): the resumed run trains on the
+same batches with the same dropout masks.
 
 Validation (`valid` in the spec, from `train.eval_every_epochs`): at every validation
 step the ranks save a resume checkpoint, rebuild the whole model from its layer files,
@@ -59,6 +65,7 @@ The only environment this process reads is what the launcher sets for
 
 from __future__ import annotations
 
+import itertools
 import json
 import resource
 import sys
@@ -160,7 +167,7 @@ class PipelineSpec(BaseModel):
     checkpoint_root: Path | None = Field(
         default=None,
         description="Resume checkpoints' directory (artifacts.checkpoints); needed "
-        "by train.checkpoint_every.",
+        "by train.checkpoint_every (without one, train.checkpoint_every_s saves nothing).",
     )
     config_fingerprint: str = Field(
         default="", description="What a resume must match (training.sequence.train)."
@@ -219,74 +226,133 @@ def synthetic_sequences(
         yield [1 + (start - 1 + int(o)) % (num_items - 1) for o in offsets]
 
 
-def parquet_sequences(
-    path: Path,
-    replica: int,
-    replicas: int,
-    generator: np.random.Generator,
-    min_items: int = 1,
-) -> Iterator[list[int]]:
-    """Endless train histories of one data-parallel replica, reshuffled every epoch.
+# Seed streams of `micro_seed`: every micro batch draws its sequences and its negatives
+# from seeds of its own, and every pass over the Parquet rows from one.
+_SYNTHETIC, _NEGATIVES, _EPOCH = 1, 2, 3
+
+
+def micro_seed(seed: int, purpose: int, index: int) -> int:
+    """A 64-bit seed of (train.seed, purpose, index), independent across all three.
 
     Args:
-        path: A `data_prep.sequences` train.parquet.
-        replica: This replica's index (rows replica, replica + replicas, ...).
-        replicas: Data-parallel degree.
-        generator: The shuffling source.
+        seed: train.seed (>= 0).
+        purpose: Which draw (`_SYNTHETIC`, `_NEGATIVES`, `_EPOCH`; nonzero, since numpy's
+            SeedSequence reads a trailing 0 like none).
+        index: The micro batch's number in the global stream, or the epoch.
+    """
+    return int(np.random.SeedSequence((seed, purpose, index)).generate_state(1, np.uint64)[0])
+
+
+class ShuffledHistories:
+    """The train histories of a `data_prep.sequences` train.parquet as one endless stream.
+
+    Position p of the stream is row `order(e)[p % N]` of epoch e = p // N, where
+    `order(e)` is a permutation of the N kept rows seeded by train.seed and e: every
+    epoch is one pass over the rows in a fresh order, and any position is found without
+    reading the ones before it. The items are held as one int64 array and row offsets
+    (8 bytes an item), the whole file on every rank.
+
+    Args:
+        path: The train.parquet.
+        seed: train.seed.
         min_items: Shorter histories are left out (BST needs a history and a target).
 
     Raises:
-        ConfigError: The file has no `history` column or too few rows for the replicas.
+        ConfigError: No history of the file has min_items items.
     """
-    table = pq.read_table(path, columns=["history"])
-    histories = [
-        items
-        for items in table.column("history").to_pylist()[replica::replicas]
-        if len(items) >= min_items
-    ]
-    if not histories:
-        raise ConfigError(
-            f"sequences={path}: {table.num_rows} rows cannot feed {replicas} data-parallel "
-            "replicas; use more data or fewer ranks per stage"
-        )
-    while True:
-        for index in generator.permutation(len(histories)):
-            yield histories[index]
+
+    def __init__(self, path: Path, seed: int, min_items: int = 1) -> None:
+        histories = pq.read_table(path, columns=["history"]).column("history").combine_chunks()
+        self._items = histories.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        offsets = histories.offsets.to_numpy()
+        self._starts, self._ends = offsets[:-1], offsets[1:]
+        self._kept = np.flatnonzero(self._ends - self._starts >= min_items)
+        if not len(self._kept):
+            raise ConfigError(
+                f"sequences={path}: none of its {len(histories)} histories has {min_items} "
+                "item(s) to train on; rerun preprocess with more data"
+            )
+        self._seed = seed
+        self._order: tuple[int, np.ndarray] = (-1, self._kept)
+
+    def rows(self, start: int, count: int) -> list[list[int]]:
+        """Positions start .. start + count - 1 of the stream: item lists, oldest first."""
+        rows = []
+        for position in range(start, start + count):
+            epoch, index = divmod(position, len(self._kept))
+            if self._order[0] != epoch:
+                shuffle = np.random.default_rng(micro_seed(self._seed, _EPOCH, epoch))
+                self._order = (epoch, self._kept[shuffle.permutation(len(self._kept))])
+            row = self._order[1][index]
+            rows.append(self._items[self._starts[row] : self._ends[row]].tolist())
+        return rows
 
 
 def micro_batches(
-    spec: PipelineSpec, replica: int = 0, replicas: int = 1
+    spec: PipelineSpec, replica: int = 0, replicas: int = 1, first_step: int = 0
 ) -> Iterator[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    """Endless pipeline micro batches, as the model's registry entry makes them.
+    """One data-parallel replica's endless pipeline micro batches, from `first_step` on.
 
     SASRec: ((history, positives, negatives), positives). BST: ((history, target),
     label) with batch_size x (1 + num_negatives) rows: each sequence's positive
     target, then its negatives.
 
-    The stream depends on the seed and the replica only, so the first and the last
-    stage of a pipeline (which both read it) see the same batches, whatever the stages.
+    Every optimizer step takes M = replicas x grad_accum_steps micro batches of batch_size
+    sequences from one global stream: micro batch k of step s is number j = s x M + k,
+    and replica r runs k = r x G .. r x G + G - 1 in order. Micro batch j has seeds of its
+    own (`micro_seed` of train.seed and j): its synthetic sequences, or positions
+    j x B .. j x B + B - 1 of the shuffled Parquet rows (`ShuffledHistories`), and its
+    negatives. So a step's micro batches depend on the seed and M only: the same for
+    every split of M into replicas and accumulation steps, on the first and the last
+    stage of a replica, and from any step on without replaying the ones before.
 
     Args:
         spec: The run's spec.
         replica: Data-parallel replica index of the calling rank.
         replicas: Data-parallel degree (world_size / pipeline_stages).
+        first_step: The optimizer step (0-based) whose micro batches come first.
+
+    Raises:
+        ConfigError: The Parquet file has no history to train on.
     """
     config, architecture = spec.train_config, spec.architecture
     entry = sequence_model(config.model)
     num_items, max_length = architecture["num_items"], architecture["max_length"]
-    rng = np.random.default_rng((config.seed, replica))
-    negatives_rng = torch.Generator().manual_seed(config.seed * 65_537 + replica)
-    if spec.sequences is None:
-        source = synthetic_sequences(num_items, max_length, rng)
-    else:
-        source = parquet_sequences(spec.sequences, replica, replicas, rng, entry.min_items)
+    batch, accum = config.batch_size, config.grad_accum_steps
+    histories = None
+    if spec.sequences is not None:
+        histories = ShuffledHistories(spec.sequences, config.seed, entry.min_items)
     # loss 'softmax' samples no negatives: every item is one.
     negatives = 0 if config.sequence.loss == "softmax" else config.sequence.num_negatives
-    while True:
-        rows = [next(source) for _ in range(config.batch_size)]
-        yield entry.micro_batch(
-            rows, max_length, num_items, negatives, negatives_rng, config.sequence.shared_negatives
-        )
+    for step in itertools.count(first_step):
+        for k in range(replica * accum, (replica + 1) * accum):
+            index = step * replicas * accum + k  # j, the micro batch's global number
+            if histories is None:
+                rng = np.random.default_rng(micro_seed(config.seed, _SYNTHETIC, index))
+                source = synthetic_sequences(num_items, max_length, rng)
+                rows = [next(source) for _ in range(batch)]
+            else:
+                rows = histories.rows(index * batch, batch)
+            generator = torch.Generator().manual_seed(micro_seed(config.seed, _NEGATIVES, index))
+            yield entry.micro_batch(
+                rows, max_length, num_items, negatives, generator, config.sequence.shared_negatives
+            )
+
+
+def micro_offset(step: int, replica: int, replicas: int, grad_accum_steps: int) -> int:
+    """The PipelineModule micro batch counter of `replica` before optimizer step `step`.
+
+    DeepSpeed seeds every layer's forward (its dropout masks) from the module's count of
+    micro batches: set to the global number of the replica's first micro batch of the
+    step (`micro_batches`), the masks of a micro batch do not depend on the replicas.
+
+    Args:
+        step: The optimizer step about to run, 0-based.
+        replica: This rank's data-parallel replica.
+        replicas: Data-parallel degree.
+        grad_accum_steps: Micro batches per replica and step.
+    """
+    return (step * replicas + replica) * grad_accum_steps
 
 
 def seed_layer(seed: int) -> None:
@@ -305,14 +371,15 @@ def layer_base_seed(seed: int) -> int:
 
 @dataclass
 class _Resume:
-    """A run's resume state: the store and SIGTERM agreement (None without
-    train.checkpoint_every or validation), the step it continues from (0: a fresh
+    """A run's resume state: the store and SIGTERM and timer agreement (None without
+    resume checkpoints or validation), the step it continues from (0: a fresh
     start) and the node exchange that keeps every node's copy of the store whole."""
 
     store: CheckpointStore | None
     preemption: Preemption | None
     start: int
     exchange: NodeExchange
+    from_world_size: int | None = None  # the world size that wrote the checkpoint
 
 
 @dataclass
@@ -346,8 +413,8 @@ def run(spec: PipelineSpec) -> None:
         engine.grid.get_data_parallel_rank(),
         engine.grid.get_data_parallel_world_size(),
     )
-    data = micro_batches(spec, replica, replicas)
-    resume = _start_resume(spec, engine, module, data, exchange)
+    resume = _start_resume(spec, engine, exchange)
+    data = micro_batches(spec, replica, replicas, first_step=resume.start)
     validation = _start_validation(spec, resume, rank)
     losses, seconds = _train_steps(
         spec, engine, data, resume, validation, rank, world_size, replicas
@@ -413,24 +480,20 @@ def build_pipeline_module(spec: PipelineSpec) -> PipelineModule:
 def _start_resume(
     spec: PipelineSpec,
     engine: Any,
-    module: PipelineModule,
-    data: Iterator[Any],
     exchange: NodeExchange,
 ) -> _Resume:
     """Every rank: continue from the newest valid resume checkpoint, if resuming is on.
 
-    Resuming is on with train.checkpoint_every and with validation (whose best weights
-    are resume checkpoints). The micro batch stream is replayed up to the checkpoint's
-    step.
+    Resuming is on with train.checkpoint_every or checkpoint_every_s and with validation
+    (whose best weights are resume checkpoints).
     """
     config = spec.train_config
-    if spec.checkpoint_root is None or not (config.checkpoint_every or spec.valid):
+    if spec.checkpoint_root is None or not (config.saves_resume_checkpoints() or spec.valid):
         return _Resume(None, None, 0, exchange)
     store = CheckpointStore(spec.checkpoint_root, keep=config.keep_checkpoints, log=print)
-    start = _resume(store, spec, engine, module, exchange)
-    for _ in range(start * config.grad_accum_steps):
-        next(data)  # replay the stream up to the checkpoint
-    return _Resume(store, Preemption(engine.device), start, exchange)
+    start, from_world_size = _resume(store, spec, engine, exchange)
+    preemption = Preemption(engine.device, config.checkpoint_every_s)
+    return _Resume(store, preemption, start, exchange, from_world_size)
 
 
 def _start_validation(spec: PipelineSpec, resume: _Resume, rank: int) -> _Validation | None:
@@ -493,9 +556,10 @@ def _train_steps(
 ) -> tuple[list[float], float]:
     """Every rank: the optimizer steps after resume.start; returns their losses and seconds.
 
-    Saves resume checkpoints every train.checkpoint_every steps, at every validation
-    step and on SIGTERM; validates (stopping early when train.patience says so); reports
-    progress every train.log_every steps (rank 0 writes it).
+    Saves resume checkpoints every train.checkpoint_every steps, every
+    train.checkpoint_every_s seconds, at every validation step and on SIGTERM; validates
+    (stopping early when train.patience says so); reports progress every
+    train.log_every steps (rank 0 writes it).
 
     Raises:
         Preempted: SIGTERM arrived; the resume checkpoint of that step is committed.
@@ -513,7 +577,12 @@ def _train_steps(
         for step in range(resume.start + 1, spec.steps + 1):
             if validation is not None and validation.stop_reason:
                 break  # a resumed run whose curve had already stopped it
-            # The last stage computes the loss; the engine broadcasts it to every stage.
+            # Dropout masks by the micro batches' global numbers, as the data (micro_batches).
+            engine.module.micro_offset = micro_offset(
+                step - 1, engine.grid.get_data_parallel_rank(), replicas, config.grad_accum_steps
+            )
+            # The last stage computes the loss; the engine averages it over the replicas
+            # (the global mean of the step's micro batches) and broadcasts it to every stage.
             losses.append(float(engine.train_batch(data_iter=data)))
             _checkpoint_step(spec, engine, resume, step, validation)
             if validation is not None and resume.store is not None:
@@ -624,8 +693,9 @@ def _checkpoint_step(
 ) -> None:
     """Every rank, after a step: save a resume checkpoint when one is due or SIGTERM came.
 
-    One is due every train.checkpoint_every steps and at every validation step (the
-    validation ranks its weights, and the best of them is kept), the last included.
+    One is due every train.checkpoint_every steps, once train.checkpoint_every_s seconds
+    have passed on rank 0 since the start or the last save, and at every validation step
+    (the validation ranks its weights, and the best of them is kept), the last included.
     Its meta carries the valid curve so far (the steps before it) and, as "pinned", the
     best step's checkpoint: wherever the checkpoint travels (a mirror in object storage,
     another machine), a resume gets the curve and the best weights with it.
@@ -633,15 +703,19 @@ def _checkpoint_step(
     Raises:
         Preempted: SIGTERM arrived (after the checkpoint is committed).
     """
+    if resume.store is None or resume.preemption is None:
+        return
     # Every rank takes part in the agreement, even at the last step.
-    stop = resume.preemption is not None and resume.preemption.agreed()
+    decision = resume.preemption.agreed()
+    stop = decision.stop
     validating = _is_validation_step(spec, step)
-    if resume.store is None or (step >= spec.steps and not validating):
+    if step >= spec.steps and not validating:
         return  # the final state is saved anyway
     every = spec.train_config.checkpoint_every
-    if (every and step % every == 0) or stop or validating:
+    if (every and step % every == 0) or decision.timed or stop or validating:
         counters = {"step": step, "micro_done": step * spec.train_config.grad_accum_steps}
-        extra: dict[str, Any] = {}
+        # The layout, for a resume on another world size (`resume_layout`).
+        extra: dict[str, Any] = spec.train_config.checkpoint_layout()
         if validation is not None:
             extra["curve"] = list(validation.curve)
             if validation.curve:
@@ -657,6 +731,7 @@ def _checkpoint_step(
             exchange=resume.exchange,
             extra_meta=extra,
         )
+        resume.preemption.saved()
     if stop:
         raise Preempted(
             f"stopped by SIGTERM after step {step}; its resume checkpoint is "
@@ -718,8 +793,7 @@ def _write_outputs(
         "samples": last_step * samples_per_step,
         "samples_per_s": len(losses) * samples_per_step / max(seconds, 1e-9),
         "resumed_from_step": start or None,
-        # A pipeline resumes on the layout that wrote the checkpoint (find_resume_point).
-        "resumed_from_world_size": world_size if start else None,
+        "resumed_from_world_size": resume.from_world_size,
         "world_size": world_size,
         "num_stages": config.pipeline_stages,
         "parts": [int(part) for part in module.parts],
@@ -751,22 +825,27 @@ def _resume(
     store: CheckpointStore,
     spec: PipelineSpec,
     engine: Any,
-    module: PipelineModule,
     exchange: NodeExchange,
-) -> int:
-    """Every rank: load the newest valid resume checkpoint, if any; returns its step (or 0)."""
+) -> tuple[int, int | None]:
+    """Every rank: load the newest valid resume checkpoint, if any.
+
+    Returns:
+        (its step, the world size that wrote it), or (0, None) for a fresh start.
+    """
     config = spec.train_config
     point = find_resume_point(
-        store, spec.config_fingerprint, config.zero_stage, convertible=False, exchange=exchange
+        store,
+        spec.config_fingerprint,
+        config.zero_stage,
+        exchange=exchange,
+        pipeline_layout=config.checkpoint_layout(),
     )
     if point is None:
-        return 0
+        return 0, None
     engine.load_checkpoint(
         str(point.path), tag=DENSE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     step = int(point.meta["step"])
-    # PipelineModule reseeds each layer's forward from its count of micro batches.
-    module.micro_offset = step * config.grad_accum_steps
     if dist.get_rank() == 0:
         record = {
             "step": step,
@@ -774,7 +853,7 @@ def _resume(
             "from_world_size": point.meta["world_size"],
         }
         print(RESUME_PREFIX + json.dumps(record), flush=True)
-    return step
+    return step, int(point.meta["world_size"])
 
 
 def build_model(spec: PipelineSpec) -> nn.Module:

@@ -70,8 +70,8 @@ ITEM_FEATURES_FILE = "item_features.parquet"
 # attention output, FFN input/hidden/output, residuals, dropout masks) with their
 # gradients: about 12 D-wide tensors, x2 for the backward copies.
 _BLOCK_TENSORS_PER_POSITION = 24
-# Python ints in the lists the reader holds the train histories in: ~36 bytes each.
-_HISTORY_ITEM_BYTES = 36
+# The reader holds every train history on every rank as int64 items (and an offset each).
+_HISTORY_ITEM_BYTES = 8
 
 
 def read_sequences_meta(sequences_dir: Path) -> dict[str, Any]:
@@ -239,7 +239,7 @@ def plan_sequence_memory(
         "dense_grads": params * param_bytes,
         "dense_optimizer": adam_bytes,
         "activations": activations,
-        "reader": train_rows * (length + 1) * _HISTORY_ITEM_BYTES // config.data_parallel_size(),
+        "reader": train_rows * (length + 2) * _HISTORY_ITEM_BYTES,
         "consolidation": min(total_params * FP32_BYTES, CHUNK_BYTES),
         "runtime": RUNTIME_BYTES,
     }
@@ -300,9 +300,10 @@ def train_sequence_model(
         python: The interpreter that runs the launcher.
         memory_budget: (bytes per rank, where the figure comes from) when
             `train.memory_per_rank_gb` is unset; None skips the check then.
-        checkpoint_root: Where `train.checkpoint_every` checkpoints go; a call with the
-            same root and config resumes from the newest valid one (on the same world
-            size). Default `out_dir / "resume"`.
+        checkpoint_root: Where the resume checkpoints go; a call with the
+            same root and config resumes from the newest valid one (on the same stages and
+            micro batch size, and under ZeRO-0 any data-parallel degree with the same global
+            batch: `training.config.resume_layout`). Default `out_dir / "resume"`.
 
         node: Where the ranks run on more than one node (`training.runtime.launcher.
             NodeLaunch`); None: every rank on this machine.
@@ -461,21 +462,37 @@ _SPEC_NOT_FINGERPRINTED = (
     "checkpoint_root",
     "config_fingerprint",
     "chaos",
+    "intra_op_threads",  # torch threads per rank, which follow the world size
+)
+# How a step is laid out over the ranks: a resume may change it as long as the global
+# batch stays (`find_resume_point` refuses the stage counts and micro batch sizes whose
+# checkpoints it cannot load, naming them).
+_LAYOUT_FIELDS = ("world_size", "pipeline_stages", "batch_size", "grad_accum_steps")
+_LAYOUT_DS_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
 )
 
 
 def sequence_fingerprint(spec: PipelineSpec) -> str:
     """sha256 of what a resumed pipeline run must share with the one that wrote it.
 
-    The spec less its output paths, with the train config less its reporting and
-    saving fields (`NOT_FINGERPRINTED`).
+    The spec less its output paths and thread count, with the train config less its
+    reporting and saving fields (`NOT_FINGERPRINTED`) and its layout over the ranks
+    (world_size, pipeline_stages, batch_size, grad_accum_steps), and the global batch
+    (sequences per optimizer step over the replicas).
     """
     payload = spec.model_dump(mode="json", exclude=set(_SPEC_NOT_FINGERPRINTED))
     # The data by content where it is a published output: another cache or node resumes.
     for field in ("sequences", "item_features_file"):
         if payload[field] is not None:
             payload[field] = data_identity(Path(payload[field]))
-    payload["train_config"] = {
-        k: v for k, v in payload["train_config"].items() if k not in NOT_FINGERPRINTED
+    dropped = (*NOT_FINGERPRINTED, *_LAYOUT_FIELDS)
+    payload["train_config"] = {k: v for k, v in payload["train_config"].items() if k not in dropped}
+    payload["ds_config"] = {
+        k: v for k, v in payload["ds_config"].items() if k not in _LAYOUT_DS_KEYS
     }
+    config = spec.train_config
+    payload["global_batch_size"] = config.global_batch_size(config.data_parallel_size())
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

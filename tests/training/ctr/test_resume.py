@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 from pathlib import Path
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 
 from artifacts.checkpoints import MANIFEST, CheckpointStore
 from artifacts.errors import ConfigError
-from training.config import TrainConfig
+from training.config import TrainConfig, resume_layout
 from training.ctr.train import train_model
 from training.errors import Preempted, TrainingCrashed
 from training.runtime.files import RANKS_FILE
@@ -201,6 +202,37 @@ def kill_at(step: int, root: Path):
     return signal_at(step, root)
 
 
+def test_timed_checkpoints_alone_save_mid_run_and_a_default_run_resumes_from_one(
+    reference: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """checkpoint_every_s with no step trigger; then the defaults resume, saving no more."""
+    shards_dir, expected = reference
+    root = tmp_path / "resume"
+    # Neither trigger is part of the fingerprint: both runs resume what the other wrote.
+    timed = TrainConfig(**{**LONG, "checkpoint_every": 0, "checkpoint_every_s": 0.01})
+    with pytest.raises(TrainingCrashed, match="exited with code"):
+        train_model(
+            timed, shards_dir, tmp_path / "killed", "cpu", free_port(), env(),
+            on_progress=kill_at(6, root), checkpoint_root=root,
+        )  # fmt: skip
+    committed = sorted(p.name for p in root.glob("step-*"))
+    newest = CheckpointStore(root).latest_valid(strict=True)
+    # Step 6's was committed before its progress record; keep_checkpoints=2 kept two of
+    # the timer's saves (so it fired again after a save).
+    assert len(committed) == 2 and newest is not None and newest.step >= 6
+    defaults = TrainConfig(**{**LONG, "checkpoint_every": 0})
+    assert defaults.checkpoint_every_s == TrainConfig().checkpoint_every_s > 60
+    resumed = train_model(
+        defaults, shards_dir, tmp_path / "resumed", "cpu", free_port(), env(),
+        checkpoint_root=root,
+    )  # fmt: skip
+    assert resumed.resumed_from_step == newest.step
+    assert_bitwise_equal(expected, weights(tmp_path / "resumed"))
+    # A run this short saves no resume checkpoint by default; the final one is where it was.
+    assert sorted(p.name for p in root.glob("step-*")) == committed
+    assert (tmp_path / "resumed" / "checkpoints" / "final").is_dir()
+
+
 def test_a_corrupt_newest_checkpoint_falls_back_and_another_config_is_refused(
     shards_dir: Path, tmp_path: Path
 ):
@@ -252,13 +284,20 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_another_config_is_refused(
 
 
 @pytest.mark.parametrize(
-    ("before", "after", "zero_stage"),
-    [(2, 1, 2), (1, 2, 0)],
-    ids=["2-to-1-ranks-zero2-universal", "1-to-2-ranks-zero0"],
+    ("before", "after", "zero_stage", "accumulate"),
+    [(2, 1, 2, False), (1, 2, 0, False), (2, 1, 3, True), (1, 2, 3, False)],
+    ids=[
+        "2-to-1-ranks-zero2-universal",
+        "1-to-2-ranks-zero0",
+        "2-to-1-ranks-zero3-universal-grad-accum",
+        "1-to-2-ranks-zero3-universal",
+    ],
 )
 def test_a_checkpoint_resumes_on_another_world_size(
-    make_shards, tmp_path: Path, before: int, after: int, zero_stage: int
+    make_shards, tmp_path: Path, before: int, after: int, zero_stage: int, accumulate: bool
 ):
+    """With `accumulate` the 1-rank run takes the 2 ranks' micro batches one after the
+    other (grad_accum_steps 2), else one micro batch of twice the rows."""
     shards_dir = make_shards(rows_per_file=1024)
     # Fixed data streams and global batch: every world size sees the same batches. No
     # dropout: its masks are drawn per rank, so they depend on the world size.
@@ -267,25 +306,29 @@ def test_a_checkpoint_resumes_on_another_world_size(
         "dropout": 0.0,
         "max_steps": 28,
         "checkpoint_every": 8,
+        "keep_checkpoints": 3,
         "log_every": 1,
         "data_streams": 2,
         "zero_stage": zero_stage,
     }
 
     def config(world_size: int) -> TrainConfig:
+        if accumulate and world_size < before:  # the same global batch in more micro batches
+            return TrainConfig(**{**common, "world_size": world_size, "grad_accum_steps": 2})
         return TrainConfig(**{**common, "world_size": world_size, "batch_size": 64 // world_size})
 
     reference: list[dict] = []
+    root = tmp_path / "resume"
     train_model(
         config(before), shards_dir, tmp_path / "ref", "cpu", free_port(), env(),
-        on_progress=reference.append,
+        on_progress=reference.append, checkpoint_root=root,
     )  # fmt: skip
-    root = tmp_path / "resume"
-    with pytest.raises(TrainingCrashed):
-        train_model(
-            config(before), shards_dir, tmp_path / "killed", "cpu", free_port(), env(),
-            on_progress=kill_at(10, root), checkpoint_root=root,
-        )  # fmt: skip
+    # As if the run had died after committing step 8 (the checkpoints of steps 16 and 24
+    # did not happen), which the uninterrupted run's losses go on from.
+    for later in ("step-00000016", "step-00000024"):
+        shutil.rmtree(root / later)
+    meta = json.loads((root / "step-00000008" / MANIFEST).read_text())["meta"]
+    assert resume_layout(config(after), meta) == config(after)
     continued: list[dict] = []
     resumed = train_model(
         config(after), shards_dir, tmp_path / "resumed", "cpu", free_port(), env(),

@@ -83,6 +83,7 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "memory_per_rank_gb": ({}, {"memory_per_rank_gb": 1e-6}),
     "tensorboard": ({}, {"tensorboard": False}),
     "checkpoint_every": ({}, {"checkpoint_every": 5}),
+    "checkpoint_every_s": ({}, {"checkpoint_every_s": 30.0}),
     "keep_checkpoints": ({}, {"keep_checkpoints": 3}),
     "world_size": ({}, {"world_size": 4}),
     "seed": ({}, {"seed": 1}),
@@ -105,6 +106,11 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "node_pickup_timeout_s": (
         {"launcher": "per_node", "node_dispatch": "workers"},
         {"node_pickup_timeout_s": 30.0},
+    ),
+    "node_heartbeat_timeout_s": ({"launcher": "per_node"}, {"node_heartbeat_timeout_s": 30.0}),
+    "min_nodes": (
+        {"launcher": "per_node", "node_dispatch": "workers", "nodes": 2},
+        {"min_nodes": 1},
     ),
 }
 

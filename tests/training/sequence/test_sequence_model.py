@@ -18,6 +18,7 @@ from training.config import TrainConfig, check_pipeline_config
 from training.runtime.consolidate import create_file, finish_file, plan_layout, write_dense
 from training.sequence.pipeline_worker import (
     PipelineSpec,
+    ShuffledHistories,
     build_model,
     load_spec,
     micro_batches,
@@ -39,7 +40,11 @@ from training.sequence.sasrec import (
     score_candidates_pipe,
     softmax_loss,
 )
-from training.sequence.train import build_pipeline_spec, sequence_model_config
+from training.sequence.train import (
+    build_pipeline_spec,
+    sequence_fingerprint,
+    sequence_model_config,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 ARGS = {
@@ -509,25 +514,62 @@ def test_the_spec_carries_the_resolved_train_and_deepspeed_configs(tmp_path: Pat
     assert moved.config_fingerprint == spec.config_fingerprint
     other = pipeline_spec(tmp_path, num_stages=2, world_size=4, zero_stage=1, grad_clip=0.25)
     assert other.config_fingerprint != spec.config_fingerprint
+    # The layout over the ranks is not: 1 replica x 4 micro batches is the same global
+    # batch (find_resume_point decides which layouts load the checkpoint).
+    fewer = pipeline_spec(
+        tmp_path, num_stages=2, world_size=2, zero_stage=1, grad_clip=0.5, warmup_steps=3,
+        grad_accum_steps=4,
+    )  # fmt: skip
+    assert fewer.config_fingerprint == spec.config_fingerprint
+    threads = fewer.model_copy(update={"intra_op_threads": 3})  # follows the world size
+    assert sequence_fingerprint(threads) == spec.config_fingerprint
+    smaller = pipeline_spec(
+        tmp_path, num_stages=2, world_size=2, zero_stage=1, grad_clip=0.5, warmup_steps=3
+    )
+    assert smaller.config_fingerprint != spec.config_fingerprint
     with pytest.raises(ValueError, match="architecture.model='bst'"):
         PipelineSpec(**{**spec.model_dump(), "architecture": {**spec.architecture, "model": "bst"}})
 
 
-def test_batches_from_a_sequences_file_are_split_over_replicas(tmp_path: Path) -> None:
-    histories = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
+def test_a_step_draws_the_same_micro_batches_however_it_is_split_over_replicas(
+    tmp_path: Path,
+) -> None:
+    histories = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11], [12], [3, 4, 5, 6]]
     path = tmp_path / "train.parquet"
-    pq.write_table(pa.table({"user": [0, 1, 2, 3], "history": histories}), path)
-    spec = pipeline_spec(
-        tmp_path, sizes={"num_items": 12, "max_length": 3}, batch_size=2, sequences_dir=tmp_path
-    )
-    assert spec.sequences == path
-    for replica in (0, 1):
-        # One micro batch of 2 is one epoch of the replica's rows 0, 2 or 1, 3.
-        (history, _, _), _ = next(micro_batches(spec, replica, 2))
-        expected, _ = next_item_batch(histories[replica::2], 3)
-        assert sorted(history.tolist()) == sorted(expected.tolist())
-    with pytest.raises(ConfigError, match="4 rows cannot feed 5"):
-        next(micro_batches(spec, 4, 5))
+    pq.write_table(pa.table({"user": list(range(6)), "history": histories}), path)
+    sizes = {"num_items": 14, "max_length": 3}
+
+    def spec(world_size: int, grad_accum_steps: int, data: Path | None = tmp_path) -> PipelineSpec:
+        return pipeline_spec(
+            tmp_path, world_size=world_size, sizes=sizes, batch_size=2,
+            grad_accum_steps=grad_accum_steps, sequences_dir=data,
+        )  # fmt: skip
+
+    def tensors(batch: tuple) -> list[torch.Tensor]:
+        (inputs, labels) = batch
+        return [*inputs, labels]
+
+    def same(a: tuple, b: tuple) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b), strict=True))
+
+    for data in (tmp_path, None):  # Parquet rows, then synthetic sequences
+        one, two = spec(1, 4, data), spec(2, 2, data)
+        alone = micro_batches(one)
+        replicas = [micro_batches(two, replica, 2) for replica in (0, 1)]
+        for _ in range(2):  # steps 0 and 1: replica r runs micro batches 2r, 2r + 1
+            step = [next(alone) for _ in range(4)]
+            split = [next(replicas[r]) for r in (0, 1) for _ in range(2)]
+            assert all(same(a, b) for a, b in zip(step, split, strict=True))
+        # A resumed run starts at its step without replaying the ones before.
+        again = micro_batches(one, first_step=1)
+        assert all(same(a, b) for a, b in zip([next(again) for _ in range(4)], step, strict=True))
+
+    # Three micro batches of 2 are one epoch: every history once, in a seeded order.
+    epoch = [next(micro_batches(spec(3, 1), replica, 3)) for replica in range(3)]
+    rows = sorted(row for batch in epoch for row in batch[0][0].tolist())
+    assert rows == sorted(next_item_batch(histories, 3)[0].tolist())
+    with pytest.raises(ConfigError, match="none of its 6 histories has 5 item"):
+        ShuffledHistories(path, seed=0, min_items=5)
 
 
 def test_pipeline_weights_are_streamed_with_integer_buffers_kept(tmp_path: Path) -> None:
@@ -679,8 +721,8 @@ def test_pipeline_with_zero1_data_parallel_replicas_trains_like_data_parallel_al
     tmp_path: Path,
 ) -> None:
     # Hybrid: 2 stages x 2 data-parallel replicas (ZeRO-1) on 4 ranks, against the same 2
-    # replicas without a pipeline on 2 ranks. Replica r reads stream r in both, so the
-    # global batches and hence the losses agree.
+    # replicas without a pipeline on 2 ranks. Replica r runs the same micro batches of the
+    # global stream in both, so the global batches and hence the losses agree.
     flat = launch(pipeline_spec(tmp_path, 1, 2, steps=8, zero_stage=1), tmp_path, "flat")
     blocks = {"partition_method": "blocks"}
     hybrid = launch(

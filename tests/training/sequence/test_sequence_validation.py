@@ -151,7 +151,9 @@ TRAIN = {
     "batch_size": 8,
     "grad_accum_steps": 2,
     "lr": 0.01,
-    "seed": 5,
+    # A seed whose micro batches (`micro_batches`: one stream, seeds per micro batch) show
+    # the planted fall below as a clear curve: best at step 4, then patience runs out.
+    "seed": 1,
     "pipeline_stages": 2,
     "world_size": 2,
     "zero_stage": 1,
