@@ -9,7 +9,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 # another checkout's venv does not invalidate it.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: demo test lint clean system-deps
+.PHONY: demo test lint clean system-deps peers
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,6 +41,18 @@ system-deps:
 test: $(VENV)/.installed system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
+
+# Installs bench/vs_torchrec.py's peer engine (the `peers` extra) over the pinned torch; the
+# bench itself never installs anything. --no-deps: torchrec's metadata asks for `fbgemm-gpu`,
+# the CUDA build, which would replace fbgemm-gpu-cpu's kernels (an extra cannot say "not
+# that one"), so torchrec's pure-Python dependencies are pinned here instead.
+PEERS := torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 pyvers==0.2.3 \
+  torchmetrics==1.0.3 lightning-utilities==0.15.3 pyre-extensions==0.0.32 \
+  typing-inspect==0.9.0 mypy-extensions==1.2.0
+
+peers: $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps $(PEERS)
+	$(PY) -c "import torch, fbgemm_gpu, torchrec; print('torchrec', torchrec.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__, 'torch', torch.__version__)"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -50,6 +50,11 @@ RESUME_FREE_FIELDS = (
     "memory_per_rank_gb",
 )
 
+# Train fields that say how a run saves or runs on its machine, not what it trains; left
+# out of the stage's cache key besides WHERE_FIELDS (added later than the key, so that
+# the keys of outputs written before them stay as they were).
+NOT_IN_CACHE_KEY = ("checkpoint_every_s", "threads_per_rank")
+
 # How long a node's task run waits for its task worker by default (dispatch 'workers').
 NODE_PICKUP_TIMEOUT_S = 600.0
 
@@ -486,6 +491,14 @@ class TrainConfig(BaseModel):
         "lost: the other nodes are stopped and the attempt fails as transient, so the "
         "retry resumes from the last checkpoint.",
     )
+    threads_per_rank: int | None = Field(
+        None,
+        ge=1,
+        description="CPU ranks: torch intra-op (OpenMP) threads of each rank. Default: the "
+        "machine's cores divided by the ranks that share it (world_size on one machine, "
+        "ranks_per_node on each node of a cluster), so that ranks never oversubscribe "
+        "the cores.",
+    )
     seed: int = Field(0, description="Seed of python, numpy and torch on every rank.")
     log_every: int = Field(20, ge=1, description="Report progress every this many steps.")
 
@@ -632,7 +645,7 @@ class TrainConfig(BaseModel):
         leaves the keys of outputs written before the field existed as they were.
         (checkpoint_every has always been in the key; taking it out would change them.)
         """
-        return self.model_dump(exclude={*WHERE_FIELDS, "checkpoint_every_s"})
+        return self.model_dump(exclude={*WHERE_FIELDS, *NOT_IN_CACHE_KEY})
 
     def saves_resume_checkpoints(self) -> bool:
         """Whether the ranks keep resume checkpoints: a step or a time trigger is on."""
@@ -652,6 +665,17 @@ class TrainConfig(BaseModel):
             for key, value in self.fingerprinted().items()
             if key not in RESUME_FREE_FIELDS
         }
+
+    def intra_op_threads(self, cores: int) -> int:
+        """CPU ranks: torch threads per rank, `threads_per_rank` or an equal share of the
+        `cores` of the machine among the ranks that run on it."""
+        if self.threads_per_rank is not None:
+            return self.threads_per_rank
+        one_machine = self.launcher == "local" or (
+            self.launcher == "per_node" and self.node_dispatch == "local"
+        )
+        sharing = self.world_size if one_machine else self.node_ranks()
+        return max(1, cores // sharing)
 
     def pickup_timeout_s(self) -> float:
         """node_dispatch 'workers': seconds a node run may wait for its task worker."""

@@ -284,3 +284,19 @@ def test_every_inapplicable_field_is_reported() -> None:
     problems = evaluate_export_problems("bst", evaluate, ExportConfig(top_k=3))
     assert [problem.split("=")[0] for problem in problems] == ["evaluate.auc_mode", "export.top_k"]
     assert "BST" in problems[1] and "(default 10)" in problems[1]
+
+
+def test_cpu_ranks_share_the_cores_of_the_machine_they_run_on() -> None:
+    # One machine: every rank shares its cores.
+    assert TrainConfig(world_size=2).intra_op_threads(2) == 1
+    assert TrainConfig(world_size=4).intra_op_threads(16) == 4
+    assert TrainConfig(world_size=3).intra_op_threads(2) == 1  # never 0
+    nodes = {"world_size": 8, "nodes": 2, "launcher": "per_node"}
+    assert TrainConfig(**nodes).intra_op_threads(16) == 2  # node threads: one machine
+    # Nodes on machines of their own: the node's ranks share its cores.
+    assert TrainConfig(**nodes, node_dispatch="workers").intra_op_threads(16) == 4
+    assert TrainConfig(**nodes, node_dispatch="workers", threads_per_rank=1).intra_op_threads(
+        16
+    ) == 1
+    # How a rank runs, not what it trains: no new cache key or resume fingerprint.
+    assert TrainConfig(threads_per_rank=1).fingerprinted() == TrainConfig().fingerprinted()

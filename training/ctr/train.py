@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -217,6 +218,10 @@ def plan_ctr_run(
         "ds_config": build_deepspeed_config(config, config.world_size, total_steps),
         "total_steps": total_steps,
         "checkpoint_root": str(root),
+        # CPU ranks share this machine's cores; on GPUs torch's default is right.
+        "intra_op_threads": (
+            config.intra_op_threads(os.cpu_count() or 1) if accelerator == "cpu" else None
+        ),
     }
     spec["config_fingerprint"] = config_fingerprint(spec)
     spec["chaos"] = chaos_settings(env)

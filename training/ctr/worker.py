@@ -375,12 +375,17 @@ def run(spec: dict[str, Any]) -> None:
 
 
 def _start_rank(spec: dict[str, Any], config: TrainConfig) -> tuple[int, int]:
-    """Seed this process and join the process group; returns (rank, world_size).
+    """Seed this process, set its threads and join the process group; returns (rank,
+    world_size).
 
     Raises:
         ConfigError: The launched world size is not train.world_size.
     """
     seed_everything(config.seed)
+    if spec.get("intra_op_threads"):
+        # The rank's share of the machine's cores (train.threads_per_rank): torch's
+        # default, every core, makes ranks that share a machine oversubscribe it.
+        torch.set_num_threads(int(spec["intra_op_threads"]))
     deepspeed.init_distributed(dist_backend=spec.get("backend", "gloo"))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size != config.world_size:

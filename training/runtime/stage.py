@@ -46,6 +46,7 @@ NOT_FINGERPRINTED = (
     "tensorboard",
     "checkpoint_every",
     "checkpoint_every_s",
+    "threads_per_rank",
     "keep_checkpoints",
     "prefetch_batches",
     "memory_per_rank_gb",

@@ -392,7 +392,7 @@ def plan_sequence_run(
         valid=plan_validation(config, sequences_dir, train_rows),
         # CPU ranks share this machine's cores; on GPUs torch's default is right.
         intra_op_threads=(
-            max(1, (os.cpu_count() or 1) // config.world_size) if accelerator == "cpu" else None
+            config.intra_op_threads(os.cpu_count() or 1) if accelerator == "cpu" else None
         ),
         chaos=chaos_settings(env),
     )

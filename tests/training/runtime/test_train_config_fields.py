@@ -84,6 +84,7 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "tensorboard": ({}, {"tensorboard": False}),
     "checkpoint_every": ({}, {"checkpoint_every": 5}),
     "checkpoint_every_s": ({}, {"checkpoint_every_s": 30.0}),
+    "threads_per_rank": ({}, {"threads_per_rank": 3}),
     "keep_checkpoints": ({}, {"keep_checkpoints": 3}),
     "world_size": ({}, {"world_size": 4}),
     "seed": ({}, {"seed": 1}),
@@ -157,6 +158,9 @@ REFUSED = {"dlrm": SEQUENCE_ONLY, "sasrec": CTR_ONLY, "bst": CTR_ONLY}
 # Fields a rank reads through a derived value of the config.
 READ_AS = {"data_streams": "num_data_streams()"}
 
+# Fields that only CPU ranks are given (planned on the CPU accelerator).
+CPU_ONLY = {"threads_per_rank"}
+
 RANK_MODULES = {
     "dlrm": training.ctr.worker,
     "sasrec": training.sequence.pipeline_worker,
@@ -180,12 +184,14 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"dlrm": shards, "sasrec": sequences, "bst": sequences}
 
 
-def plan_of(family: str, data: dict[str, Path], tmp_path: Path) -> Callable[..., LaunchPlan]:
+def plan_of(
+    family: str, data: dict[str, Path], tmp_path: Path, accelerator: str = "cuda"
+) -> Callable[..., LaunchPlan]:
     """Builds the launch plan of a config of this family (as the train stage would)."""
     planner = plan_ctr_run if family == "dlrm" else plan_sequence_run
 
     def plan(config: TrainConfig) -> LaunchPlan:
-        return planner(config, data[family], tmp_path / "out", "cuda", {})
+        return planner(config, data[family], tmp_path / "out", accelerator, {})
 
     return plan
 
@@ -214,7 +220,7 @@ def test_a_field_reaches_the_ranks_or_is_refused(
         return
     base_values = {**BASES[family], **needs}
     base = TrainConfig(**base_values)
-    plan = plan_of(family, data, tmp_path)
+    plan = plan_of(family, data, tmp_path, "cpu" if field in CPU_ONLY else "cuda")
     config = TrainConfig(**{**base_values, **changed})
     assert getattr(config, field) != getattr(base, field)
     if field in LAUNCH_FIELDS:

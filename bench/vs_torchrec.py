@@ -1,0 +1,809 @@
+"""Benchmark: recforge's sparse training against TorchRec + FBGEMM on the same model and data.
+
+The peer is what a recsys team would pick instead of recforge's sharded embeddings:
+TorchRec's `EmbeddingBagCollection` fed `KeyedJaggedTensor`s, FBGEMM's fused row-wise
+Adagrad applied in the backward (`apply_optimizer_in_backward(RowWiseAdagrad, ...)`,
+TorchRec's fused-params path), `DistributedModelParallel` over gloo ranks on the CPU
+(table-wise sharding, the `fused` kernel: TorchRec on CPU shards table-wise only), and
+`torchrec.models.dlrm.DLRM` around it, whose dot interaction and MLPs are recforge's.
+
+Model (both engines): F single-valued sparse features, one table each, embedding_dim
+16; 2 dense features through a bottom MLP [32, 16] (ReLU after every layer); DLRM dot
+interaction (pairwise dot products of the F + 1 vectors, upper triangle, concatenated
+with the bottom output); top MLP [64, 32] (ReLU) and one linear logit; mean binary
+cross-entropy. Embeddings: row-wise Adagrad, lr 0.05, eps 1e-8 (one accumulator per row:
+the mean squared gradient). Dense part: AdamW, lr 1e-3, betas (0.9, 0.999), eps 1e-8, no
+weight decay, constant learning rate.
+
+Data (both engines read the same files): a synthetic shard directory (`dataset.json`
+and 4 Parquet files, cached under `--workdir` by table sizes and row count), ids uniform
+over each whole table (the harshest case for memory locality), a click label from a
+fixed logistic model. Each engine reads it as it would: recforge through its
+`ShardReader` (decoded ahead by a thread), TorchRec ranks through a small pyarrow reader
+written here, also decoded ahead by a thread (files r, r + W, ... per rank), both
+cycling the data when the steps outlast it.
+
+Cells, `--batch-size` rows per rank (2,048):
+
+| cell | tables | ranks |
+|---|---|---|
+| `1m_1proc` / `1m_2ranks` | 8 features, 1M rows in all | 1 process / 2 ranks |
+| `20m_1proc` / `20m_2ranks` | 8 features, 20M rows in all | 1 process / 2 ranks |
+| `1000slots_2ranks` | 1,000 features of 2,000 rows (2M rows) | 2 ranks |
+
+The 1,000-slot cell keeps the model but not the batch: the dot interaction of 1,001
+vectors is a (B, 1001, 1001) Gram matrix, 8 GiB per rank at B = 2,048 on either engine,
+and its (B, 500500) pairs feed a 32M-parameter first top layer; recforge has no
+interaction linear in F (`num_cross_layers` >= 1, and one DCN-v2 layer over 16,016
+inputs is 256M parameters). So it runs at `--wide-batch-size` (64) rows per rank, and
+its step time is mostly the dense side; its phase split shows the embedding engines.
+
+How each engine runs (one after the other, in this process's tree, after an untimed
+warm-up run of each, so both start with warm page caches and built extensions):
+
+- recforge: `training.ctr.train.train_model`, the train stage's library entry that the
+  `recforge run` train task calls with the same arguments: the DeepSpeed launcher, the
+  CTR worker, `train.embeddings: sharded`, on the shard directory above. Not `recforge
+  run` itself: ingest, preprocess and shard would have to be rerun for every table size
+  and only approximate the sizes through `hash_buckets`, while the train stage is what
+  is measured. The config is `TrainConfig`'s defaults (ZeRO 0, resume checkpoints every
+  600 s on) with the model above, `max_steps`, `log_every` and `tensorboard: false`.
+  Threads as shipped: what the train stage gives each rank (`threads_per_rank` in the
+  figures, from its `launch.json`; torch's default where it sets none), unless
+  `--recforge-threads` sets them (`train.threads_per_rank` where the config has that
+  field, and `OMP_NUM_THREADS`).
+- TorchRec: this file re-run as `--torchrec-rank SPEC` in W processes (gloo), at each
+  of `--torchrec-threads` (1 and 2 per rank); the faster is the one compared.
+
+Figures per cell and engine:
+
+- `samples_per_s`: steady state, the steps after `--warmup-steps` (20) of `--steps`
+  (120): recforge's progress windows (`train_log.jsonl`, every `log_every` steps) after
+  the warm-up, TorchRec's rank 0 clock over the same steps.
+- `step_ms`: milliseconds per steady step by phase. recforge's own split: data (waiting
+  for the reader), lookup (ids to rows, both all-to-alls), dense (forward and backward
+  of the MLPs), optimizer (row gradients to their owners, the dense step, the sparse
+  step). TorchRec's: data (reader and KJT), lookup (the sharded EBC's forward: input
+  all-to-all, FBGEMM lookup, output all-to-all), forward_backward (the rest of the
+  forward and the whole backward, in which the fused kernel also updates the rows),
+  optimizer (the dense AdamW step).
+- `peak_rss_mb`: per rank, the largest resident set sampled every `log_every` steps
+  while training (recforge's progress records; the same steps for TorchRec);
+  `ru_maxrss_mb` adds each process's lifetime peak (recforge's rank 0 only, after its
+  final checkpoint and weights file).
+- `time_to_first_step_s`: from the launch to the start of the first step's clock
+  (process start, imports, rendezvous, table init, sharding plan, reader open).
+
+Last line, one JSON object: `vs_torchrec_<cell>` (recforge samples/s over TorchRec's,
+target >= 1.0), `rss_ratio_vs_torchrec_<cell>` (recforge's largest per-rank peak RSS
+over TorchRec's, target <= 1.1), `first_step_ratio_vs_torchrec_<cell>`, and every raw
+figure under `cells`. The machine is shared and noisy: only ratios within one run mean
+much, and `loadavg` says how busy it was.
+
+TorchRec is an optional peer, never installed by this script: `make peers` installs
+torchrec and fbgemm-gpu-cpu with `--no-deps` over the pinned torch (their metadata
+asks for the CUDA `fbgemm-gpu`). Without it this script says so and exits with
+status 2; `--recforge-only` measures recforge alone (ratios null).
+
+Usage::
+
+    make peers                                     # once
+    .venv/bin/python bench/vs_torchrec.py          # five cells: ~35 min on a busy 2-core box
+    .venv/bin/python bench/vs_torchrec.py --cells 1m_1proc,1m_2ranks,20m_1proc,20m_2ranks
+    .venv/bin/python bench/vs_torchrec.py --cells 1000slots_2ranks --steps 40 \
+        --warmup-steps 10 --torchrec-threads 1     # the 1,000-slot cell, shorter
+    .venv/bin/python bench/vs_torchrec.py --quick  # 50k/400k rows, 100 slots, 512 rows per
+                                                   # rank, 30 steps, 1 thread: ~3 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import queue
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+# First, so that `data_prep` is the package and not bench/data_prep.py beside this file.
+sys.path.insert(0, str(REPO))
+
+EMBEDDING_DIM = 16
+BOTTOM_MLP = [32, 16]
+TOP_MLP = [64, 32]
+NUM_DENSE = 2
+SPARSE_LR = 0.05
+DENSE_LR = 1e-3
+EPS = 1e-8
+NUM_FILES = 4
+PREFETCH_BATCHES = 4  # recforge's train.prefetch_batches default; the same for TorchRec
+# Values generated per Parquet chunk: bounds the writer's memory at 1,000 columns.
+CHUNK_VALUES = 8_000_000
+ROW_GROUP = 65_536
+
+CELLS = ("1m_1proc", "1m_2ranks", "20m_1proc", "20m_2ranks", "1000slots_2ranks")
+PEER_MODULES = ("torchrec", "fbgemm_gpu", "tensordict")
+INSTALL_HINT = (
+    "install the pinned peers into this venv with `make peers` (pip install --no-deps "
+    "torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 and their pure-Python dependencies, over the "
+    "pinned torch), or pass --recforge-only to measure recforge alone"
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured configuration.
+
+    Attributes:
+        name: The cell's name in the figures (`CELLS`).
+        table_sizes: Rows of each feature's table.
+        world_size: Ranks (1: one process).
+        batch_size: Rows per rank per step.
+        data_dir: The shard directory both engines read.
+    """
+
+    name: str
+    table_sizes: tuple[int, ...]
+    world_size: int
+    batch_size: int
+    data_dir: Path
+
+
+# -- data ------------------------------------------------------------------------------
+
+
+def split_rows(total_rows: int, num_features: int) -> list[int]:
+    """`num_features` table sizes summing to `total_rows` (the first takes the remainder)."""
+    sizes = [total_rows // num_features] * num_features
+    sizes[0] += total_rows - sum(sizes)
+    return sizes
+
+
+def write_shard_dir(root: Path, table_sizes: list[int], num_samples: int) -> Path:
+    """A shard directory of `num_samples` rows over `table_sizes`; kept if it already matches.
+
+    Writes `NUM_FILES` Parquet files (columns f0.., d0, d1, click) and `dataset.json`
+    last, so a directory with a matching `dataset.json` is complete.
+    """
+    dataset_path = root / "dataset.json"
+    if dataset_path.is_file():
+        dataset = json.loads(dataset_path.read_text())
+        if [f["num_embeddings"] for f in dataset["sparse"]] == table_sizes and (
+            dataset["splits"]["train"]["rows"] == num_samples // NUM_FILES * NUM_FILES
+        ):
+            return root
+    rows = num_samples // NUM_FILES
+    if rows == 0:
+        raise ValueError(f"num_samples={num_samples}: need at least {NUM_FILES} rows")
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    num_features = len(table_sizes)
+    schema = pa.schema(
+        [(f"f{f}", pa.int64()) for f in range(num_features)]
+        + [(f"d{d}", pa.float32()) for d in range(NUM_DENSE)]
+        + [("click", pa.float32())]
+    )
+    rng = np.random.default_rng(0)
+    sizes = np.array(table_sizes, dtype=np.int64)
+    chunk = max(1024, min(ROW_GROUP, CHUNK_VALUES // num_features))
+    # Keeps the label's signal about as strong at 1,000 features as at 8.
+    signal_scale = 0.5 / max(1.0, math.sqrt(num_features / 8))
+    files = []
+    for index in range(NUM_FILES):
+        path = f"train-{index:05d}-of-{NUM_FILES:05d}.parquet"
+        with pq.ParquetWriter(root / path, schema) as writer:
+            for start in range(0, rows, chunk):
+                n = min(chunk, rows - start)
+                ids = rng.integers(0, sizes, size=(n, num_features))  # (n, F)
+                # A learnable signal that needs no table-sized weight vector.
+                logit = -1.0 + signal_scale * np.sin(ids * 0.618 + np.arange(num_features)).sum(1)
+                columns = {f"f{f}": ids[:, f] for f in range(num_features)}
+                for d in range(NUM_DENSE):
+                    values = rng.normal(size=n).astype(np.float32)
+                    columns[f"d{d}"] = values
+                    logit += 0.3 * values
+                columns["click"] = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+                writer.write_table(pa.table(columns, schema=schema), row_group_size=chunk)
+        files.append({"path": path, "rows": rows})
+    dataset = {
+        "label": "click",
+        "sparse": [{"name": f"f{f}", "num_embeddings": n} for f, n in enumerate(table_sizes)],
+        "dense": [f"d{d}" for d in range(NUM_DENSE)],
+        "splits": {"train": {"files": files, "rows": sum(f["rows"] for f in files)}},
+    }
+    dataset_path.write_text(json.dumps(dataset))
+    return root
+
+
+# -- shared helpers --------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rss_mb() -> float:
+    """This process's resident memory now, MiB (as recforge's progress records take it)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * resource.getpagesize() / 2**20
+
+
+def peak_rss_mb() -> float:
+    """This process's lifetime peak resident memory, MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def with_total(phase_ms: dict[str, float]) -> dict[str, float]:
+    """The phases' milliseconds and their sum as "total", rounded to 0.01."""
+    return {k: round(v, 2) for k, v in {**phase_ms, "total": sum(phase_ms.values())}.items()}
+
+
+def base_env() -> dict[str, str]:
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    # As `make` does: DeepSpeed's CPU op is built once per venv, not once per run.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".venv" / "torch_extensions"))
+    return env
+
+
+# -- recforge --------------------------------------------------------------------------
+
+
+def run_recforge(
+    cell: Cell, steps: int, warmup: int, log_every: int, threads: int | None, out: Path
+) -> dict[str, Any]:
+    """Train `cell` with recforge's train stage; its steady-state figures."""
+    # Imported here, not at the top: the TorchRec ranks run this file too and must not
+    # carry recforge's (and DeepSpeed's) modules in their resident memory.
+    from training.config import TrainConfig
+    from training.ctr.train import train_model
+    from training.runtime.files import LAUNCH_FILE, SUMMARY_FILE, TRAIN_LOG_FILE
+
+    config = TrainConfig(
+        interaction="dot",
+        embedding_dim=EMBEDDING_DIM,
+        bottom_mlp=BOTTOM_MLP,
+        top_mlp=TOP_MLP,
+        batch_size=cell.batch_size,
+        lr=DENSE_LR,
+        sparse_optimizer="rowwise_adagrad",
+        sparse_lr=SPARSE_LR,
+        world_size=cell.world_size,
+        max_steps=steps,
+        log_every=log_every,
+        tensorboard=False,
+    )
+    env = base_env()
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+        # Trees without the field leave the threads to OMP_NUM_THREADS alone.
+        if "threads_per_rank" in TrainConfig.model_fields:
+            config = TrainConfig(**{**config.model_dump(), "threads_per_rank": threads})
+    shutil.rmtree(out, ignore_errors=True)
+    first_record: list[tuple[float, dict[str, Any]]] = []
+
+    def on_progress(record: dict[str, Any]) -> None:
+        if not first_record:
+            first_record.append((time.time(), record))
+
+    started = time.time()
+    train_model(config, cell.data_dir, out, "cpu", free_port(), env, on_progress=on_progress)
+    launch_to_exit = time.time() - started
+    records = [json.loads(line) for line in (out / TRAIN_LOG_FILE).read_text().splitlines()]
+    samples_per_window = log_every * cell.batch_size * cell.world_size
+    steady = [r for r in records if r["step"] > warmup] or records[-1:]
+    seconds = [samples_per_window / r["samples_per_s"] for r in steady]
+    # The first record's window began when the step loop did.
+    arrived, first = first_record[0]
+    loop_start = arrived - samples_per_window / first["samples_per_s"]
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    # Every window has log_every steps: the mean of the windows is the mean step.
+    phase_ms = {
+        phase: sum(r["step_ms"][phase] for r in steady) / len(steady)
+        for phase in steady[0]["step_ms"]
+    }
+    return {
+        "samples_per_s": round(len(steady) * samples_per_window / sum(seconds)),
+        "step_ms": with_total(phase_ms),
+        "peak_rss_mb": [max(r["rss_mb"][rank] for r in records) for rank in range(cell.world_size)],
+        "ru_maxrss_mb_rank0": round(summary["peak_rss_mb_rank0"], 1),
+        "time_to_first_step_s": round(loop_start - started, 1),
+        "launch_to_exit_s": round(launch_to_exit, 1),
+        "final_loss": round(summary["final_loss"], 4),
+        "threads_per_rank": rank_threads(json.loads((out / LAUNCH_FILE).read_text()), env),
+    }
+
+
+def rank_threads(spec: dict[str, Any], env: dict[str, str]) -> int | str:
+    """The torch threads recforge's ranks ran with, as its launch spec and environment say."""
+    if spec.get("intra_op_threads"):
+        return int(spec["intra_op_threads"])
+    if env.get("OMP_NUM_THREADS"):
+        return int(env["OMP_NUM_THREADS"])
+    return f"torch default ({torch.get_num_threads()})"
+
+
+# -- TorchRec: the parent's side --------------------------------------------------------
+
+
+def missing_peers() -> list[str]:
+    return [name for name in PEER_MODULES if importlib.util.find_spec(name) is None]
+
+
+def peer_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for dist_name in ("torch", "torchrec", "fbgemm-gpu-cpu", "tensordict", "deepspeed"):
+        try:
+            versions[dist_name] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist_name] = None
+    return versions
+
+
+def run_torchrec(
+    cell: Cell, steps: int, warmup: int, log_every: int, threads: int, out: Path
+) -> dict[str, Any]:
+    """Train `cell` with TorchRec in `cell.world_size` rank processes; rank 0's figures."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    spec = {
+        "data_dir": str(cell.data_dir),
+        "batch_size": cell.batch_size,
+        "steps": steps,
+        "warmup": warmup,
+        "log_every": log_every,
+        "threads": threads,
+        "out": str(out),
+    }
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = free_port()
+    started = time.time()
+    ranks: list[tuple[subprocess.Popen[bytes], Path]] = []
+    try:
+        for rank in range(cell.world_size):
+            env = {
+                **base_env(),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(cell.world_size),
+                "LOCAL_WORLD_SIZE": str(cell.world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": str(threads),
+                "PYTHONUNBUFFERED": "1",
+            }
+            log = out / f"rank-{rank}.log"
+            with log.open("wb") as log_file:
+                command = [sys.executable, str(Path(__file__).resolve()), "--torchrec-rank"]
+                process = subprocess.Popen(
+                    [*command, str(spec_path)], env=env, stdout=log_file, stderr=subprocess.STDOUT
+                )
+            ranks.append((process, log))
+        wait_ranks(ranks)
+    finally:
+        for process, _ in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    launch_to_exit = time.time() - started
+    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(cell.world_size)]
+    first = results[0]
+    return {
+        "samples_per_s": round(first["samples_per_s"]),
+        "step_ms": first["step_ms"],
+        "peak_rss_mb": [r["peak_rss_mb"] for r in results],
+        "ru_maxrss_mb": [r["ru_maxrss_mb"] for r in results],
+        "time_to_first_step_s": round(first["loop_start_unix"] - started, 1),
+        "launch_to_exit_s": round(launch_to_exit, 1),
+        "final_loss": first["final_loss"],
+        "threads_per_rank": threads,
+        "tables_per_rank": [r["tables"] for r in results],
+    }
+
+
+def wait_ranks(ranks: list[tuple[subprocess.Popen[bytes], Path]]) -> None:
+    """Wait for every rank; the first one to fail stops the rest (raises with its log)."""
+    while True:
+        codes = [process.poll() for process, _ in ranks]
+        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            process, log = ranks[failed[0]]
+            tail = log.read_text(errors="replace").splitlines()[-25:]
+            raise RuntimeError(
+                f"TorchRec rank {failed[0]} exited with {process.returncode} (log {log}):\n"
+                + "\n".join(tail)
+            )
+        if all(code == 0 for code in codes):
+            return
+        time.sleep(0.2)
+
+
+# -- TorchRec: one rank -----------------------------------------------------------------
+
+
+class ParquetBatches:
+    """One rank's batches of the shard directory, decoded ahead by a thread, endlessly.
+
+    Rank r of W reads files r, r + W, ... (every file with W = 1); a file's last rows
+    that do not fill a batch are skipped.
+
+    Yields:
+        (dense (B, Dn) float32, values (F * B,) int64 feature-major as a KJT wants them,
+        labels (B,) float32).
+    """
+
+    def __init__(self, data_dir: Path, rank: int, world_size: int, batch_size: int) -> None:
+        dataset = json.loads((data_dir / "dataset.json").read_text())
+        self.sparse = [f["name"] for f in dataset["sparse"]]
+        self.dense = list(dataset["dense"])
+        self.label = dataset["label"]
+        files = dataset["splits"]["train"]["files"][rank::world_size]
+        self.paths = [data_dir / f["path"] for f in files]
+        self.batch_size = batch_size
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=PREFETCH_BATCHES)
+        threading.Thread(target=self._decode, daemon=True, name="parquet-batches").start()
+
+    def _decode(self) -> None:
+        try:
+            while True:
+                for path in self.paths:
+                    columns = [*self.sparse, *self.dense, self.label]
+                    reader = pq.ParquetFile(path)
+                    for batch in reader.iter_batches(batch_size=self.batch_size, columns=columns):
+                        if batch.num_rows < self.batch_size:
+                            continue
+                        values = np.concatenate(
+                            [batch.column(name).to_numpy() for name in self.sparse]
+                        )
+                        dense = np.stack([batch.column(n).to_numpy() for n in self.dense], axis=1)
+                        labels = batch.column(self.label).to_numpy()
+                        self.queue.put(
+                            (
+                                torch.from_numpy(dense.astype(np.float32)),
+                                torch.from_numpy(values.astype(np.int64)),
+                                torch.from_numpy(labels.astype(np.float32)),
+                            )
+                        )
+        except Exception as error:  # handed to the training loop, which raises it
+            self.queue.put(error)
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            item = self.queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+class PhaseTimer:
+    """Seconds spent in a module's forward, summed; its hooks are `start` and `stop`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def start(self, *_: Any) -> None:
+        self._started = time.perf_counter()
+
+    def stop(self, *_: Any) -> None:
+        self.seconds += time.perf_counter() - self._started
+
+
+def torchrec_rank(spec_path: Path) -> None:
+    """One TorchRec rank: DLRM with a sharded EBC over gloo; writes `rank-R.json`."""
+    spec = json.loads(spec_path.read_text())
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.models.dlrm import DLRM
+    from torchrec.optim import RowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    data_dir = Path(spec["data_dir"])
+    dataset = json.loads((data_dir / "dataset.json").read_text())
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{feature['name']}",
+            embedding_dim=EMBEDDING_DIM,
+            num_embeddings=feature["num_embeddings"],
+            feature_names=[feature["name"]],
+        )
+        for feature in dataset["sparse"]
+    ]
+    # On the meta device: DistributedModelParallel materialises each rank's own tables.
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    cpu = torch.device("cpu")
+    model = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=len(dataset["dense"]),
+        dense_arch_layer_sizes=BOTTOM_MLP,
+        over_arch_layer_sizes=[*TOP_MLP, 1],
+        dense_device=cpu,
+    )
+    # FBGEMM's EXACT_ROWWISE_ADAGRAD, fused into the embedding backward.
+    apply_optimizer_in_backward(
+        RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": SPARSE_LR, "eps": EPS}
+    )
+    constraints = {
+        table.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
+        for table in tables
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
+        constraints=constraints,
+    )
+    sharders = [EmbeddingBagCollectionSharder()]
+    group = dist.group.WORLD
+    plan = planner.collective_plan(model, sharders, group)
+    dmp = DistributedModelParallel(
+        model, env=ShardingEnv.from_process_group(group), device=cpu, plan=plan, sharders=sharders
+    )
+    dense_optimizer = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.AdamW(
+            params, lr=DENSE_LR, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0
+        ),
+    )
+    own_tables = sum(
+        rank in (sharding.ranks or [])
+        for module_plan in plan.plan.values()
+        for sharding in module_plan.values()
+    )
+    # The sharded EBC's forward, all-to-alls included: SparseArch waits for its output.
+    lookup = PhaseTimer()
+    dmp.module.sparse_arch.register_forward_pre_hook(lookup.start)
+    dmp.module.sparse_arch.register_forward_hook(lookup.stop)
+
+    batch_size, steps, warmup = spec["batch_size"], spec["steps"], spec["warmup"]
+    keys = [feature["name"] for feature in dataset["sparse"]]
+    lengths = torch.ones(len(keys) * batch_size, dtype=torch.int32)
+    batches = iter(ParquetBatches(data_dir, rank, world_size, batch_size))
+    totals = dict.fromkeys(("data", "lookup", "forward_backward", "optimizer"), 0.0)
+    rss_samples: list[float] = []
+    loss = torch.zeros(())
+    dmp.train()
+    dist.barrier()
+    loop_start_unix = time.time()
+    steady_started = time.perf_counter()
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        dense, values, labels = next(batches)
+        features = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
+        t1 = time.perf_counter()
+        lookup.seconds = 0.0
+        logits = dmp(dense, features).squeeze(1)  # (B,)
+        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        loss.backward()
+        t2 = time.perf_counter()
+        dense_optimizer.step()
+        dense_optimizer.zero_grad()
+        t3 = time.perf_counter()
+        if step > warmup:
+            totals["data"] += t1 - t0
+            totals["lookup"] += lookup.seconds
+            totals["forward_backward"] += t2 - t1 - lookup.seconds
+            totals["optimizer"] += t3 - t2
+        if step == warmup:
+            steady_started = t3
+        if step % spec["log_every"] == 0:
+            rss_samples.append(rss_mb())
+    steady_seconds = time.perf_counter() - steady_started
+    steady_steps = steps - warmup
+    step_ms = {k: 1000 * v / steady_steps for k, v in totals.items()}
+    result = {
+        "rank": rank,
+        "tables": own_tables,
+        "samples_per_s": steady_steps * batch_size * world_size / steady_seconds,
+        "step_ms": with_total(step_ms),
+        "peak_rss_mb": round(max(rss_samples, default=rss_mb()), 1),
+        "ru_maxrss_mb": round(peak_rss_mb(), 1),
+        "loop_start_unix": loop_start_unix,
+        "final_loss": round(float(loss.detach()), 4),
+    }
+    (Path(spec["out"]) / f"rank-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the bench ---------------------------------------------------------------------------
+
+
+def build_cells(args: argparse.Namespace, steps: int) -> list[Cell]:
+    """The cells asked for, their data written (or found) under `args.workdir`."""
+    wanted = [name for name in args.cells.split(",") if name]
+    unknown = sorted(set(wanted) - set(CELLS))
+    if unknown:
+        raise SystemExit(f"--cells: unknown {unknown}; choose from {', '.join(CELLS)}")
+    # Every cell's data covers its 2-rank run; a 1-process run reads all of it.
+    narrow_samples = args.batch_size * 2 * (steps + 10)
+    cells = []
+    for name in wanted:
+        if name.startswith("1000slots"):
+            sizes = [args.wide_rows_per_table] * args.wide_features
+            samples = args.wide_batch_size * 2 * (steps + 10)
+            batch = args.wide_batch_size
+        else:
+            rows = args.small_rows if name.startswith("1m") else args.large_rows
+            sizes, samples, batch = split_rows(rows, args.features), narrow_samples, args.batch_size
+        key = f"f{len(sizes)}-rows{sum(sizes)}-n{samples}"
+        data_dir = write_shard_dir(args.workdir / "data" / key, sizes, samples)
+        world_size = 1 if name.endswith("1proc") else 2
+        cells.append(Cell(name, tuple(sizes), world_size, batch, data_dir))
+    return cells
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return round(numerator / denominator, 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--torchrec-rank", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, default=REPO / ".bench" / "vs_torchrec")
+    parser.add_argument("--cells", default=",".join(CELLS), help="comma-separated subset")
+    parser.add_argument("--steps", type=int, default=120, help="steps per run")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="steps left out")
+    parser.add_argument("--batch-size", type=int, default=2048, help="rows per rank")
+    parser.add_argument("--features", type=int, default=8)
+    parser.add_argument("--small-rows", type=int, default=1_000_000)
+    parser.add_argument("--large-rows", type=int, default=20_000_000)
+    parser.add_argument("--wide-features", type=int, default=1000)
+    parser.add_argument("--wide-rows-per-table", type=int, default=2000)
+    parser.add_argument("--wide-batch-size", type=int, default=64, help="rows per rank")
+    parser.add_argument(
+        "--torchrec-threads", default="1,2", help="threads per TorchRec rank to try; best counts"
+    )
+    parser.add_argument(
+        "--recforge-threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for recforge's ranks (default: as shipped, torch's default)",
+    )
+    parser.add_argument("--recforge-only", action="store_true", help="no TorchRec; no ratios")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
+    parser.add_argument("--quick", action="store_true", help="small tables, few steps")
+    args = parser.parse_args()
+    if args.torchrec_rank is not None:
+        torchrec_rank(args.torchrec_rank)
+        return
+    if args.quick:
+        args.small_rows, args.large_rows = 50_000, 400_000
+        args.wide_features, args.batch_size, args.wide_batch_size = 100, 512, 32
+        args.steps, args.warmup_steps, args.torchrec_threads = 30, 10, "1"
+    if not 0 <= args.warmup_steps < args.steps:
+        raise SystemExit(f"--warmup-steps must be in [0, --steps={args.steps})")
+    missing = missing_peers()
+    if missing and not args.recforge_only:
+        print(
+            f"bench/vs_torchrec.py: TorchRec is not installed ({', '.join(missing)} missing "
+            f"in {sys.executable}); {INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    thread_counts = [int(t) for t in args.torchrec_threads.split(",") if t]
+    # Progress windows must end at the warm-up's last step and at the run's.
+    log_every = math.gcd(args.warmup_steps, args.steps, 10)
+    loadavg_before = os.getloadavg()
+    cells = build_cells(args, args.steps)
+    runs = args.workdir / "runs"
+
+    if not args.no_warmup:
+        first = cells[0]
+        run_recforge(first, 4, 0, 2, args.recforge_threads, runs / "warmup-recforge")
+        if not args.recforge_only:
+            run_torchrec(first, 4, 0, 2, thread_counts[0], runs / "warmup-torchrec")
+
+    figures: dict[str, Any] = {}
+    cell_figures: dict[str, Any] = {}
+    for cell in cells:
+        recforge = run_recforge(
+            cell,
+            args.steps,
+            args.warmup_steps,
+            log_every,
+            args.recforge_threads,
+            runs / cell.name / "recforge",
+        )
+        print(f"{cell.name} recforge {json.dumps(recforge)}", flush=True)
+        entry: dict[str, Any] = {"recforge": recforge, "rows": sum(cell.table_sizes)}
+        if not args.recforge_only:
+            by_threads = {}
+            for threads in thread_counts:
+                by_threads[str(threads)] = run_torchrec(
+                    cell,
+                    args.steps,
+                    args.warmup_steps,
+                    log_every,
+                    threads,
+                    runs / cell.name / f"torchrec-{threads}t",
+                )
+                print(
+                    f"{cell.name} torchrec {threads}t {json.dumps(by_threads[str(threads)])}",
+                    flush=True,
+                )
+            torchrec = max(by_threads.values(), key=lambda run: run["samples_per_s"])
+            entry["torchrec"] = torchrec
+            entry["torchrec_by_threads"] = by_threads
+            figures[f"vs_torchrec_{cell.name}"] = ratio(
+                recforge["samples_per_s"], torchrec["samples_per_s"]
+            )
+            figures[f"rss_ratio_vs_torchrec_{cell.name}"] = ratio(
+                max(recforge["peak_rss_mb"]), max(torchrec["peak_rss_mb"])
+            )
+            figures[f"first_step_ratio_vs_torchrec_{cell.name}"] = ratio(
+                recforge["time_to_first_step_s"], torchrec["time_to_first_step_s"]
+            )
+        else:
+            for prefix in ("vs_torchrec", "rss_ratio_vs_torchrec", "first_step_ratio_vs_torchrec"):
+                figures[f"{prefix}_{cell.name}"] = None
+        cell_figures[cell.name] = entry
+
+    print()
+    print("cell              engine    samples/s  step ms  peak RSS MB/rank  first step s")
+    for name, entry in cell_figures.items():
+        for engine in ("recforge", "torchrec"):
+            if engine in entry:
+                run = entry[engine]
+                print(
+                    f"{name:<17} {engine:<9} {run['samples_per_s']:>9,} "
+                    f"{run['step_ms']['total']:>8.1f}  {max(run['peak_rss_mb']):>16,.0f}"
+                    f"  {run['time_to_first_step_s']:>12.1f}"
+                )
+    if args.recforge_only:
+        print("recforge only (--recforge-only): no TorchRec run, every ratio is null")
+    figures.update(
+        {
+            "cells": cell_figures,
+            "steps": args.steps,
+            "warmup_steps": args.warmup_steps,
+            "batch_size_per_rank": args.batch_size,
+            "wide_batch_size_per_rank": args.wide_batch_size,
+            "features": args.features,
+            "wide_features": args.wide_features,
+            "wide_rows_per_table": args.wide_rows_per_table,
+            "embedding_dim": EMBEDDING_DIM,
+            "recforge_threads": args.recforge_threads,
+            "torchrec_threads_tried": thread_counts,
+            "versions": peer_versions(),
+            "cpus": os.cpu_count(),
+            "loadavg_before": [round(x, 2) for x in loadavg_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            "quick": args.quick,
+        }
+    )
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
