@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 
 from artifacts.errors import ConfigError, StoreUnreachable
 from artifacts.lease import RunLease
-from artifacts.locations import is_remote
+from artifacts.locations import backend_errors, is_remote
 from artifacts.store import DEFAULT_ROOT, STAGES, ArtifactStore, Stage
 from flows.config import PipelineConfig, load_config
 from flows.deploy import check_deployment_defaults, check_deployment_run
@@ -196,7 +196,8 @@ def run_pipeline(params: RunParams) -> str:
     """The body of both flows: plan, the six stages, the gate, the run record.
 
     From its plan to its run record the run holds a lease on the root, which `recforge
-    gc` respects: it deletes nothing the run uses (`artifacts.lease`).
+    gc` respects: it deletes nothing the run uses (`artifacts.lease`). A store the lease
+    cannot be written to fails at the plan, which names the URL and what to set.
     """
     store = ArtifactStore(params.root)  # the one store object of this run
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{str(runtime.flow_run.id or uuid.uuid4())[:8]}"
@@ -215,8 +216,14 @@ def _run_leased(params: RunParams, store: ArtifactStore, run_id: str, lease: Run
     config: PipelineConfig | None = None
     try:
         config = load_config(params.config, params.overrides)
-        lease.start()  # before the plan reads the store: until `name`, gc keeps every output
+        try:
+            lease.start()  # before the plan reads the store: until `name`, gc keeps all
+            leased = True
+        except (*backend_errors(), OSError):
+            leased = False  # a missing bucket or refused credentials: the plan names them
         plans = plan_task(config, plan_modes(params), store)
+        if not leased:
+            lease.start()  # the store answered the plan: now the run must hold its lease
         lease.name(plan.fingerprint for plan in plans)
         check_plan(plans)
         run_stages(config, plans, store, outputs)
