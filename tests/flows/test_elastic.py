@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_API_URL
 
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
@@ -65,9 +66,13 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def recforge_run(config: str, root: Path, raw: Path, overrides: list[str]) -> subprocess.Popen:
-    """`recforge run CONFIG --root ROOT` up to the train stage, with `overrides`."""
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)  # each run starts its own temporary Prefect API
+    """`recforge run CONFIG --root ROOT` up to the train stage, with `overrides`, against
+    the tests' Prefect API (a temporary one per run would cost ~14 s each)."""
+    env = {
+        **os.environ,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+    }
     items = [f"ingest.path={raw}", *COMMON, *overrides]
     sets = [arg for item in items for arg in ("--set", item)]
     return subprocess.Popen(
@@ -105,7 +110,7 @@ def losses(record: dict) -> dict[int, float]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_killed_two_rank_run_resumes_on_one_rank_and_continues_its_loss_curve(
-    case: str, raw: Path, roots: dict[str, Path]
+    prefect_server: None, case: str, raw: Path, roots: dict[str, Path]
 ) -> None:
     config, layout, fitted = CASES[case]
     root = roots[config]
@@ -116,7 +121,7 @@ def test_a_killed_two_rank_run_resumes_on_one_rank_and_continues_its_loss_curve(
         assert victim.poll() is None, "".join(victim.communicate())[-3000:]
         assert time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.2)
-    os.killpg(victim.pid, signal.SIGKILL)  # the flow, its Prefect server
+    os.killpg(victim.pid, signal.SIGKILL)  # the flow
     victim.communicate(timeout=60)
     ranks = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True)
     for pid in ranks.stdout.split():  # the ranks, in a session of their own

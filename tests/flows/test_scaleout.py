@@ -194,6 +194,8 @@ def test_node_runs_go_to_each_nodes_task_worker_a_lost_node_is_found_and_the_res
                 "train.node_dispatch=workers",
                 f"train.node_heartbeat_timeout_s={timeout_s}",
                 "train.min_nodes=1",
+                # Both "machines" are this one: their ranks share its cores.
+                "train.threads_per_rank=1",
             ),
         )
         # Node 1's machine dies once a checkpoint is in S3: its worker and ranks are
