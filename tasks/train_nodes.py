@@ -132,8 +132,8 @@ EXCHANGE_TAG = "recforge-exchange:"
 _EXCHANGE = re.compile(r"^(?P<root>.+)/checkpoints/train/[0-9a-f]+/exchange/[0-9a-f]{32}$")
 
 
-# STOP objects found forged, each logged once per process.
-_ignored_stops: set[str] = set()
+# STOP objects and heartbeats found forged, each logged once per process.
+_ignored_records: set[str] = set()
 
 
 Logger = logging.Logger | logging.LoggerAdapter
@@ -774,18 +774,8 @@ def read_stop(exchange: str) -> str | None:
     forged or copied from another attempt stops nothing and is logged once, without its
     text.
     """
-    location = str(join(exchange, STOP_OBJECT))
-    text = read_text_or_none(location)
-    if text is None:
-        return None
-    try:
-        record = loads_verified(text, location)
-        if record.get("exchange") != exchange:
-            raise SignatureError(f"{location} is the STOP object of another attempt")
-    except SignatureError as err:
-        if location not in _ignored_stops:
-            _ignored_stops.add(location)
-            logging.getLogger(__name__).warning("ignoring the STOP object: %s", err)
+    record = _read_claimed(str(join(exchange, STOP_OBJECT)), {"exchange": exchange}, "STOP object")
+    if record is None:
         return None
     reason = f"node {record.get('node')} failed ({record.get('error')}): {record.get('message')}"
     return reason[: STOP_MESSAGE_CHARS + 100]
@@ -824,23 +814,31 @@ def read_heartbeat(exchange: str, index: int) -> int | None:
     as none (logged once): nobody outside the job can keep a dead node alive, and one
     replayed heartbeat does not advance the number.
     """
-    location = heartbeat_location(exchange, index)
+    claims = {"exchange": exchange, "node": index}
+    record = _read_claimed(heartbeat_location(exchange, index), claims, "heartbeat")
+    seq = None if record is None else record.get("seq")
+    return seq if isinstance(seq, int) else None
+
+
+def _read_claimed(location: str, claims: dict[str, Any], what: str) -> dict[str, Any] | None:
+    """The signed record at `location` if it makes `claims`; else None.
+
+    None when there is none; one that is unsigned, forged or claims otherwise (copied
+    from another attempt or node) is logged once, without its text, and counts as none.
+    """
     text = read_text_or_none(location)
     if text is None:
         return None
     try:
         record = loads_verified(text, location)
-        if (record.get("exchange"), record.get("node")) != (exchange, index):
-            raise SignatureError(f"{location} is the heartbeat of another node or attempt")
-        seq = record.get("seq")
-        if not isinstance(seq, int):
-            raise SignatureError(f"{location} has no heartbeat number")
+        if {key: record.get(key) for key in claims} != claims:
+            raise SignatureError(f"{location} is the {what} of another attempt or node")
     except SignatureError as err:
-        if location not in _ignored_stops:
-            _ignored_stops.add(location)
-            logging.getLogger(__name__).warning("ignoring the heartbeat: %s", err)
+        if location not in _ignored_records:
+            _ignored_records.add(location)
+            logging.getLogger(__name__).warning("ignoring the %s: %s", what, err)
         return None
-    return seq
+    return record
 
 
 def _beat(exchange: str, index: int, interval_s: float, done: threading.Event) -> None:
