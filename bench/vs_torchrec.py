@@ -329,6 +329,8 @@ def run_recforge(
         "peak_rss_mb": [max(r["rss_mb"][rank] for r in records) for rank in range(cell.world_size)],
         "ru_maxrss_mb_rank0": round(summary["peak_rss_mb_rank0"], 1),
         "time_to_first_step_s": round(loop_start - started, 1),
+        # Rank 0's own split of it from its process start (trees without it: null).
+        "rank0_startup_s": summary.get("startup_s"),
         "launch_to_exit_s": round(launch_to_exit, 1),
         "final_loss": round(summary["final_loss"], 4),
         "threads_per_rank": rank_threads(json.loads((out / LAUNCH_FILE).read_text()), env),

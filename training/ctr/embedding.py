@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -71,12 +72,16 @@ def init_rows(
     """Initial values of the rows one rank owns, the same for any world size.
 
     Row g of feature f is drawn from U(-1/sqrt(n_f), 1/sqrt(n_f)) (the DLRM reference
-    init; N(0, 1) would swamp the MLPs), by a generator seeded with (seed, chunk of g).
+    init; N(0, 1) would swamp the MLPs). The table is drawn in fixed chunks of
+    `INIT_CHUNK_ROWS` rows, chunk c by its own generator seeded with (seed, c), so a
+    row's value depends on neither the world size nor the other chunks, and a rank
+    skips the chunks it owns no row of. numpy's SFC64 draws them: ~3x faster than
+    torch's CPU generator (a 20M-row table in ~1.5 s instead of ~4 s here).
 
     Args:
         table_sizes: Rows per feature.
         embedding_dim: D.
-        seed: Seed of the table.
+        seed: Seed of the table (any int).
         rank: The owning rank.
         world_size: W; the rank owns rows rank, rank + W, ...
 
@@ -85,21 +90,23 @@ def init_rows(
     """
     offsets = table_offsets(table_sizes)
     num_rows = int(offsets[-1])
-    bounds = torch.cat(
-        [torch.full((n,), 1.0 / n**0.5, dtype=torch.float32) for n in table_sizes]
-    )  # (N,) per-row bound
+    feature_bound = np.array([1.0 / n**0.5 for n in table_sizes], dtype=np.float32)
     local = torch.empty((_local_rows(num_rows, rank, world_size), embedding_dim))
-    generator = torch.Generator()
-    for start in range(0, num_rows, INIT_CHUNK_ROWS):
+    out = local.numpy()
+    ends = offsets[1:].numpy()
+    entropy = seed % 2**64  # SeedSequence takes non-negative ints
+    for chunk, start in enumerate(range(0, num_rows, INIT_CHUNK_ROWS)):
         end = min(start + INIT_CHUNK_ROWS, num_rows)
-        generator.manual_seed(seed * 1_000_003 + start // INIT_CHUNK_ROWS)
-        chunk = torch.rand((end - start, embedding_dim), generator=generator)
-        chunk = (chunk * 2 - 1) * bounds[start:end, None]
         first = start + (rank - start) % world_size  # first row >= start owned by rank
-        if first < end:
-            local[(first - rank) // world_size : (end - 1 - rank) // world_size + 1] = chunk[
-                first - start :: world_size
-            ]
+        if first >= end:
+            continue
+        generator = np.random.Generator(np.random.SFC64(np.random.SeedSequence([entropy, chunk])))
+        drawn = generator.random((end - start, embedding_dim), dtype=np.float32)
+        owned = np.arange(first, end, world_size)  # global rows
+        target = out[(first - rank) // world_size : (end - 1 - rank) // world_size + 1]
+        np.multiply(drawn[first - start :: world_size], 2, out=target)
+        target -= 1
+        target *= feature_bound[np.searchsorted(ends, owned, side="right")][:, None]
     return local
 
 
@@ -127,6 +134,103 @@ def clip_row_norms(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
     """
     norms = torch.linalg.vector_norm(grad, dim=1, keepdim=True)  # (R, 1)
     return torch.where(norms > max_norm, grad * (max_norm / norms), grad)
+
+
+def unique_inverse(
+    ids: torch.Tensor, bound: int, with_counts: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`torch.unique(ids, sorted=True, return_inverse=True[, return_counts=True])`, faster.
+
+    Why by hand: deduplicating the batch's ids is the one sort of a sparse step, and
+    torch 2.13's CPU sort takes ~1.6 ms for 16k int64 ids on this machine where numpy's
+    vectorised (SIMD) sort takes ~0.1 ms. Each id is packed with its position into one
+    int64 key, `id << k | position`; the keys are distinct, so numpy's unstable sort is
+    deterministic, and the sorted keys give the unique ids, each id's index (the
+    inverse) and the counts with a few vectorised passes. Falls back to torch.unique
+    when a key would not fit 63 bits.
+
+    Args:
+        ids: (M,) int64 ids in [0, bound).
+        bound: Exclusive upper bound of the ids.
+        with_counts: Also return how often each unique id occurs.
+
+    Returns:
+        (unique (U,) sorted, inverse (M,), counts (U,) or None).
+    """
+    m = ids.numel()
+    shift = max(1, (m - 1).bit_length())
+    if m == 0 or max(1, bound - 1).bit_length() + shift > 63:
+        if with_counts:
+            return torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        return unique, inverse, None
+    keys = torch.bitwise_or(torch.bitwise_left_shift(ids, shift), torch.arange(m))
+    keys = torch.from_numpy(np.sort(keys.numpy()))
+    values = torch.bitwise_right_shift(keys, shift)
+    position = torch.bitwise_and(keys, (1 << shift) - 1)
+    first = torch.ones(m, dtype=torch.bool)
+    torch.ne(values[1:], values[:-1], out=first[1:])
+    unique = values[first]
+    inverse = torch.empty(m, dtype=torch.int64)
+    inverse[position] = torch.cumsum(first, dim=0) - 1
+    counts = None
+    if with_counts:
+        starts = torch.nonzero(first).flatten()
+        counts = torch.diff(starts, append=torch.tensor([m]))
+    return unique, inverse, counts
+
+
+def sum_rows(
+    rows: torch.Tensor, values: torch.Tensor, bound: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted unique rows and, for each, the sum of its values in the order given.
+
+    Equal (but for the sign of a zero sum) to `torch.zeros(U, D).index_add_(0, inverse,
+    values)` after
+    `torch.unique(rows, sorted=True, return_inverse=True)`, but most rows occur once: the
+    values are gathered in sorted order, each row's first value taken as is and only the
+    repeats added (CPU's 2-D index_add_ costs a slice add per row).
+
+    Args:
+        rows: (M,) int64 row indices in [0, bound).
+        values: (M, D) one value per index.
+        bound: Exclusive upper bound of the rows.
+
+    Returns:
+        (unique rows (U,), sums (U, D)).
+    """
+    m = rows.numel()
+    shift = max(1, (m - 1).bit_length())
+    if m == 0 or max(1, bound - 1).bit_length() + shift > 63:
+        unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+        summed = values.new_zeros((unique.numel(), *values.shape[1:]))
+        return unique, summed.index_add_(0, inverse, values)
+    keys = torch.bitwise_or(torch.bitwise_left_shift(rows, shift), torch.arange(m))
+    keys = torch.from_numpy(np.sort(keys.numpy()))  # by row, then by position
+    ordered = torch.bitwise_right_shift(keys, shift)
+    ordered_values = values.index_select(0, torch.bitwise_and(keys, (1 << shift) - 1))
+    first = torch.ones(m, dtype=torch.bool)
+    torch.ne(ordered[1:], ordered[:-1], out=first[1:])
+    summed = ordered_values[first]
+    repeat = ~first
+    if bool(repeat.any()):
+        slot = torch.cumsum(first, dim=0) - 1
+        summed.index_add_(0, slot[repeat], ordered_values[repeat])
+    return ordered[first], summed
+
+
+def group_by_owner(owner: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The stable permutation that groups positions by owner rank (owners in [0, W)).
+
+    The same as `torch.argsort(owner, stable=True)`, by the packed-key sort of
+    `unique_inverse` (~5x faster here).
+    """
+    n = owner.numel()
+    shift = max(1, (n - 1).bit_length())
+    if n == 0 or max(1, world_size - 1).bit_length() + shift > 63:
+        return torch.argsort(owner, stable=True)
+    keys = torch.bitwise_or(torch.bitwise_left_shift(owner, shift), torch.arange(n))
+    return torch.bitwise_and(torch.from_numpy(np.sort(keys.numpy())), (1 << shift) - 1)
 
 
 def _local_rows(num_rows: int, rank: int, world_size: int) -> int:
@@ -184,7 +288,8 @@ class LookupContext:
 
     Attributes:
         unique_ids: (U,) sorted global ids of this rank's batch.
-        send_order: (U,) permutation of unique_ids grouping them by owner rank.
+        send_order: (U,) permutation of unique_ids grouping them by owner rank; None
+            with one rank (no exchange).
         send_splits: Ids sent to each rank.
         recv_splits: Ids received from each rank (as owner).
         recv_local: (R,) local row indices of the received ids.
@@ -192,7 +297,7 @@ class LookupContext:
     """
 
     unique_ids: torch.Tensor
-    send_order: torch.Tensor
+    send_order: torch.Tensor | None
     send_splits: list[int]
     recv_splits: list[int]
     recv_local: torch.Tensor
@@ -319,42 +424,46 @@ class ShardedEmbedding:
                 f"embedding ids must be in [0, {self.num_rows}), got "
                 f"[{int(ids.min())}, {int(ids.max())}]; the shards and the model disagree"
             )
-        if self._admission and train:
-            unique_ids, inverse, id_counts = torch.unique(
-                ids, sorted=True, return_inverse=True, return_counts=True
-            )
+        unique_ids, inverse, id_counts = unique_inverse(
+            ids, self.num_rows, with_counts=self._admission and train
+        )
+        num_unique = unique_ids.numel()
+        if self.world_size == 1:  # this rank owns every row: no exchange, no reordering
+            send_order = None
+            send_splits_list = recv_splits_list = [num_unique]
+            recv_local = unique_ids
+            recv_counts = id_counts
         else:
-            unique_ids, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-            id_counts = None
-        owner = unique_ids % self.world_size
-        send_order = torch.argsort(owner, stable=True)
-        send_splits = torch.bincount(owner, minlength=self.world_size)
-        recv_splits = self._exchange_counts(send_splits)
-        send_splits_list, recv_splits_list = send_splits.tolist(), recv_splits.tolist()
-
-        payload = unique_ids[send_order]
-        if id_counts is not None:
-            payload = torch.stack([payload, id_counts[send_order]], dim=1)  # (U, 2)
-        received = self._all_to_all(payload, recv_splits_list, send_splits_list)
-        recv_ids = received[:, 0] if id_counts is not None else received
-        recv_local = recv_ids // self.world_size
-
-        if self.counts is not None:
+            owner = unique_ids % self.world_size
+            send_order = group_by_owner(owner, self.world_size)
+            send_splits = torch.bincount(owner, minlength=self.world_size)
+            recv_splits = self._exchange_counts(send_splits)
+            send_splits_list, recv_splits_list = send_splits.tolist(), recv_splits.tolist()
+            payload = unique_ids.index_select(0, send_order)
             if id_counts is not None:
-                self.counts.index_add_(0, recv_local, received[:, 1])
-            admitted_local = self.counts[recv_local] >= self.admission_min_count
-            reply = torch.cat([self.weight[recv_local], admitted_local[:, None].float()], dim=1)
-        else:
-            reply = self.weight[recv_local]  # (R, D)
-        returned = self._all_to_all(reply, send_splits_list, recv_splits_list)  # (U, D[+1])
+                payload = torch.stack([payload, id_counts.index_select(0, send_order)], dim=1)
+            received = self._all_to_all(payload, recv_splits_list, send_splits_list)
+            recv_ids = received[:, 0] if id_counts is not None else received
+            recv_counts = received[:, 1] if id_counts is not None else None
+            recv_local = recv_ids // self.world_size
 
-        rows = torch.empty((unique_ids.numel(), returned.shape[1]), dtype=returned.dtype)
-        rows[send_order] = returned
+        reply = self.weight.index_select(0, recv_local)  # (R, D)
+        if self.counts is not None:
+            if recv_counts is not None:
+                self.counts.index_add_(0, recv_local, recv_counts)
+            admitted_local = self.counts.index_select(0, recv_local) >= self.admission_min_count
+            reply = torch.cat([reply, admitted_local[:, None].float()], dim=1)
+        if send_order is None:
+            rows = reply
+        else:
+            returned = self._all_to_all(reply, send_splits_list, recv_splits_list)
+            rows = returned.new_empty((num_unique, returned.shape[1]))
+            rows.index_copy_(0, send_order, returned)
         if self.counts is not None:
             admitted = rows[:, -1] > 0.5
             rows = rows[:, :-1].contiguous()
         else:
-            admitted = torch.ones(unique_ids.numel(), dtype=torch.bool)
+            admitted = torch.ones(num_unique, dtype=torch.bool)
         rows.requires_grad_(True)
         context = LookupContext(
             unique_ids, send_order, send_splits_list, recv_splits_list, recv_local, admitted
@@ -373,9 +482,12 @@ class ShardedEmbedding:
         if grad is None:
             grad = torch.zeros((context.unique_ids.numel(), self.embedding_dim))
         grad = grad.float()
-        received = self._all_to_all(
-            grad[context.send_order].contiguous(), context.recv_splits, context.send_splits
-        )
+        if context.send_order is None:
+            received = grad
+        else:
+            received = self._all_to_all(
+                grad.index_select(0, context.send_order), context.recv_splits, context.send_splits
+            )
         self._pending_rows.append(context.recv_local)
         self._pending_grads.append(received)
 
@@ -400,20 +512,24 @@ class ShardedEmbedding:
         self.steps += 1
         if not self._pending_rows:
             return 0
-        local = torch.cat(self._pending_rows)
-        grads = torch.cat(self._pending_grads)
+        scale = self.world_size * grad_scale
+        if len(self._pending_rows) == 1 and self.world_size == 1:
+            # One micro batch on one rank: its rows are already unique and sorted.
+            rows, summed = self._pending_rows[0], self._pending_grads[0] / scale
+        else:
+            local = torch.cat(self._pending_rows)
+            grads = torch.cat(self._pending_grads)
+            # (Ru, D): every rank's and micro step's gradient of each row, summed.
+            rows, summed = sum_rows(local, grads, self.weight.shape[0])
+            summed /= scale
         self.discard_gradients()
-        rows, position = torch.unique(local, sorted=True, return_inverse=True)
-        summed = torch.zeros((rows.numel(), self.embedding_dim))
-        summed.index_add_(0, position, grads)  # (Ru, D): all ranks' and micro steps' sum
-        summed /= self.world_size * grad_scale
         if self.counts is not None:
-            keep = self.counts[rows] >= self.admission_min_count
+            keep = self.counts.index_select(0, rows) >= self.admission_min_count
             rows, summed = rows[keep], summed[keep]
         if self.max_grad_norm:
             summed = clip_row_norms(summed, self.max_grad_norm)
         if self.weight_decay:
-            summed += self.weight_decay * self.weight[rows]
+            summed += self.weight_decay * self.weight.index_select(0, rows)
         if self.optimizer == "rowwise_adagrad":
             self._rowwise_adagrad(rows, summed)
         else:
@@ -423,24 +539,29 @@ class ShardedEmbedding:
     def _rowwise_adagrad(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
         # One accumulator per row (FBGEMM's row-wise Adagrad): the mean squared gradient.
         sum_sq = self.state["sum_sq"]
-        sum_sq[rows] += grad.pow(2).mean(dim=1)
-        denom = sum_sq[rows].sqrt().add_(ADAGRAD_EPS)  # (Ru,)
-        self.weight[rows] -= self.lr * grad / denom[:, None]
+        sum_sq.index_add_(0, rows, grad.pow(2).mean(dim=1))
+        denom = sum_sq.index_select(0, rows).sqrt_().add_(ADAGRAD_EPS)  # (Ru,)
+        self._subtract_rows(rows, self.lr * grad / denom[:, None])
 
     def _lazy_adam(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
         # Adam on the rows in the batch only; bias correction by the global step (TF's
         # LazyAdam, torch's SparseAdam).
         beta1, beta2 = ADAM_BETAS
-        exp_avg = self.state["exp_avg"][rows].mul_(beta1).add_(grad, alpha=1 - beta1)
-        exp_avg_sq = (
-            self.state["exp_avg_sq"][rows].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        )
-        self.state["exp_avg"][rows] = exp_avg
-        self.state["exp_avg_sq"][rows] = exp_avg_sq
+        exp_avg = self.state["exp_avg"].index_select(0, rows).mul_(beta1)
+        exp_avg.add_(grad, alpha=1 - beta1)
+        exp_avg_sq = self.state["exp_avg_sq"].index_select(0, rows).mul_(beta2)
+        exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
+        self.state["exp_avg"].index_copy_(0, rows, exp_avg)
+        self.state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
         correction1 = 1 - beta1**self.steps
         correction2 = 1 - beta2**self.steps
         denom = (exp_avg_sq / correction2).sqrt_().add_(ADAM_EPS)
-        self.weight[rows] -= (self.lr / correction1) * exp_avg / denom
+        self._subtract_rows(rows, (self.lr / correction1) * exp_avg / denom)
+
+    def _subtract_rows(self, rows: torch.Tensor, update: torch.Tensor) -> None:
+        # weight[rows] -= update for unique rows, as gather, subtract, scatter: CPU's 2-D
+        # index_add_ costs ~2.5x more (a slice add per row).
+        self.weight.index_copy_(0, rows, self.weight.index_select(0, rows).sub_(update))
 
     # -- collectives ----------------------------------------------------------------------
     def _exchange_counts(self, send_splits: torch.Tensor) -> torch.Tensor:

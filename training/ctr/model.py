@@ -165,10 +165,12 @@ class CTRArch(nn.Module):
         if row_admitted is not None:
             defaults = self.default_rows[row_feature]  # (U, D)
             rows = torch.where(row_admitted[:, None], rows, defaults)
-        pooled = [rows[sparse_index]]  # (B, Fs, D)
+        # index_select, not rows[index]: its backward is one index_add_ (advanced
+        # indexing's is a slower accumulating index_put_).
+        pooled = [_take(rows, sparse_index)]  # (B, Fs, D)
         for index in multi_index:
             valid = (index >= 0).to(rows.dtype)[..., None]  # (B, L, 1)
-            summed = (rows[index.clamp(min=0)] * valid).sum(dim=1)  # (B, D)
+            summed = (_take(rows, index.clamp(min=0)) * valid).sum(dim=1)  # (B, D)
             if self.pooling == "mean":
                 summed = summed / valid.sum(dim=1).clamp(min=1.0)
             pooled.append(summed[:, None, :])
@@ -186,6 +188,11 @@ class CTRArch(nn.Module):
                 x = x0 * layer(x) + x
             features = x
         return self.heads(self.top(features))  # (B, T)
+
+
+def _take(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows[index] for an int64 index of any shape: (*index.shape, D)."""
+    return rows.index_select(0, index.reshape(-1)).view(*index.shape, rows.shape[1])
 
 
 class CTRModel(nn.Module):

@@ -47,6 +47,7 @@ non-zero; the launcher then stops the other ranks.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import resource
 import sys
@@ -308,6 +309,34 @@ class _Rank:
     counters: _Counters = field(default_factory=_Counters)
 
 
+class _StartupClock:
+    """Seconds of a rank's start-up by phase, from the process start (Linux's /proc).
+
+    `laps["imports"]` is the process start to the clock's creation (interpreter, torch,
+    DeepSpeed); each `lap(name)` adds the seconds since the previous one.
+    """
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+        self.laps: dict[str, float] = {"imports": round(_process_age_s(), 3)}
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[name] = round(now - self._last, 3)
+        self._last = now
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (0.0 where /proc is not there)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime in ticks
+    return max(0.0, uptime - started)
+
+
 def run(spec: dict[str, Any]) -> None:
     """Train one rank according to a launch spec.
 
@@ -318,15 +347,20 @@ def run(spec: dict[str, Any]) -> None:
         ConfigError: The launcher started a different number of ranks than configured.
         Preempted: SIGTERM arrived; the resume checkpoint of that step is committed.
     """
+    startup = _StartupClock()
     config = TrainConfig.model_validate(spec["train_config"])
     out_dir = Path(spec["out_dir"])
     rank, world_size = _start_rank(spec, config)
+    startup.lap("rendezvous")
     module, store = _build_modules(spec, config, rank, world_size)
+    startup.lap("table_init")
     engine, resume_store, resume_point = _initialize_engine(spec, config, module)
     preemption = (
         Preemption(engine.device, config.checkpoint_every_s) if resume_store is not None else None
     )
+    startup.lap("engine")
     reader = _open_reader(spec, config, rank, world_size)
+    startup.lap("reader")
     on_rank0 = rank == 0
     writer = open_tensorboard(
         out_dir / TENSORBOARD_DIR if config.tensorboard and on_rank0 else None
@@ -343,6 +377,7 @@ def run(spec: dict[str, Any]) -> None:
         counters.step, counters.micro_done = resumed["step"], resumed["micro_done"]
         counters.resumed_from_step = resumed["step"]
         counters.resumed_from_world_size = int(resume_point.meta["world_size"])
+    startup.lap("resume")
     engine.train()
     started = time.monotonic()
     try:
@@ -366,7 +401,7 @@ def run(spec: dict[str, Any]) -> None:
         spec.get("chaos", {}).get("consolidation_chunk_rows"),
     )
     if on_rank0:
-        _write_summary(out_dir, config, counters, reader, seconds, world_size)
+        _write_summary(out_dir, config, counters, reader, seconds, world_size, startup.laps)
     if log_file is not None:
         log_file.close()
     if writer is not None:
@@ -700,6 +735,7 @@ def _write_summary(
     reader: ShardReader,
     seconds: float,
     world_size: int,
+    startup_s: dict[str, float],
 ) -> None:
     """Rank 0: `train_summary.json`."""
     samples = counters.micro_done * config.batch_size * world_size
@@ -718,6 +754,8 @@ def _write_summary(
         "reader_position": reader.position(),
         "resumed_from_step": counters.resumed_from_step,
         "resumed_from_world_size": counters.resumed_from_world_size,
+        # Rank 0's seconds from its process start to the first step, by phase.
+        "startup_s": startup_s,
     }
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 

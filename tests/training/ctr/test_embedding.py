@@ -14,9 +14,12 @@ import torch.multiprocessing as mp
 from training.ctr.embedding import (
     ADAGRAD_EPS,
     ShardedEmbedding,
+    group_by_owner,
     init_rows,
     reshard_state,
+    sum_rows,
     table_offsets,
+    unique_inverse,
 )
 
 SIZES = [7, 13, 5]
@@ -323,3 +326,40 @@ def test_reshard_state_moves_every_row_with_its_optimizer_state() -> None:
             target = ShardedEmbedding(sizes, 4, "lazy_adam", 0.1, 2, 0, rank, new)
             target.load_state_dict(moved)
             assert target.steps == 5
+
+
+@pytest.mark.parametrize(
+    ("size", "bound"),
+    [(0, 10), (1, 1), (5, 3), (16_384, 1_000_000), (3_000, 2**40), (100, 2**62)],
+)
+def test_unique_inverse_equals_torch_unique(size: int, bound: int) -> None:
+    # The packed-key sort (and its torch.unique fallback when the key needs > 63 bits)
+    # must give exactly torch.unique's sorted ids, inverse and counts.
+    generator = torch.Generator().manual_seed(size)
+    ids = (torch.rand(size, generator=generator, dtype=torch.float64) * bound).long()
+    ids = torch.cat([ids, ids[: size // 3]])  # duplicates
+    expected = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+    unique, inverse, counts = unique_inverse(ids, bound, with_counts=True)
+    assert torch.equal(unique, expected[0])
+    assert torch.equal(inverse, expected[1])
+    assert counts is not None and torch.equal(counts, expected[2])
+    assert unique_inverse(ids, bound)[2] is None
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_group_by_owner_is_the_stable_argsort(world_size: int) -> None:
+    owner = torch.randint(0, world_size, (5_000,), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(group_by_owner(owner, world_size), torch.argsort(owner, stable=True))
+
+
+@pytest.mark.parametrize(("size", "bound"), [(0, 10), (7, 3), (20_000, 50_000), (500, 2**62)])
+def test_sum_rows_equals_index_add_in_order(size: int, bound: int) -> None:
+    # Each row's values summed in their order of arrival, as index_add_ sums them.
+    generator = torch.Generator().manual_seed(size)
+    rows = (torch.rand(size, generator=generator, dtype=torch.float64) * bound).long()
+    values = torch.randn((size, 3), generator=generator)
+    unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    expected = torch.zeros((unique.numel(), 3)).index_add_(0, inverse, values)
+    got_rows, got = sum_rows(rows, values, bound)
+    assert torch.equal(got_rows, unique)
+    assert torch.equal(got, expected)
