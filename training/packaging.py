@@ -31,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
-import onnxruntime
 import torch
 from torch import nn
 
@@ -293,6 +291,10 @@ def export_runtimes(graph: ServedGraph, out_dir: Path, opset: int) -> None:
         out_dir: The package directory (exists).
         opset: The ONNX opset.
     """
+    # Imported here, not at the top: training ranks import this module (through the
+    # model's `read_model_files`), and onnx costs them ~1 s and ~20 MB each at start-up.
+    import onnx
+
     onnx_path = Path(out_dir) / ONNX_FILE
     torch.onnx.export(
         graph.module,
@@ -320,6 +322,8 @@ def check_parity(graph: ServedGraph, out_dir: Path) -> Parity:
     Returns:
         The parity figures (see `Parity.passed` for the verdict).
     """
+    import onnxruntime  # not at the top: see export_runtimes
+
     session = onnxruntime.InferenceSession(
         str(Path(out_dir) / ONNX_FILE), providers=["CPUExecutionProvider"]
     )
