@@ -363,6 +363,8 @@ TRAIN_FIGURES = (
     "steps",
     "samples_per_s",
     "step_ms",
+    # Rank 0's start-up by phase (CTR models): where the time to the first step went.
+    "startup_s",
     "final_loss",
     # launcher 'per_node': earlier attempts that failed, with the nodes they lost and why.
     "failed_attempts",

@@ -182,6 +182,7 @@ def train_task(
             "samples_per_s": result.samples_per_s,
             "seconds": result.seconds,
             "step_ms": result.step_ms,
+            **({"startup_s": result.startup_s} if result.startup_s else {}),
             **({"failed_attempts": failed_attempts} if failed_attempts else {}),
             # In-training validation (train.eval_every_epochs): best step, curve, stop reason.
             **({"validation": validation} if validation is not None else {}),

@@ -112,6 +112,10 @@ def test_killing_the_flow_during_shard_and_train_then_rerunning_gives_the_same_m
     assert stages["train"]["world_size"] == stages["train"]["resumed_from_world_size"]
     assert stages["train"]["steps"] > preempted and stages["train"]["samples_per_s"] > 0
     assert set(stages["train"]["step_ms"]) and stages["train"]["final_loss"] > 0
+    # Where the resumed run's time to its first step went, by phase.
+    startup = stages["train"]["startup_s"]
+    assert {"imports", "rendezvous", "table_init", "engine", "reader", "resume"} == set(startup)
+    assert all(seconds >= 0 for seconds in startup.values()) and startup["imports"] > 0
     expected = load_file(Path(reference["stages"]["train"]["output"]) / "model.safetensors")
     actual = load_file(Path(stages["train"]["output"]) / "model.safetensors")
     for name in expected:

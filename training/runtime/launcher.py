@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,9 @@ class TrainResult:
         resumed_from_step: The checkpoint step the run continued from, None if fresh.
         world_size: The ranks that trained.
         resumed_from_world_size: The ranks that wrote the checkpoint resumed from.
+        startup_s: Rank 0's seconds from its process start to the first step, by phase
+            (imports, rendezvous, table_init, engine, reader, resume); empty where the
+            model family does not report it.
     """
 
     out_dir: Path
@@ -156,6 +159,7 @@ class TrainResult:
     resumed_from_step: int | None = None
     world_size: int | None = None
     resumed_from_world_size: int | None = None
+    startup_s: dict[str, float] = field(default_factory=dict)
 
 
 def chaos_settings(env: Mapping[str, str]) -> dict[str, Any]:

@@ -178,4 +178,5 @@ def run_train_stage(
         resumed_from_step=summary.get("resumed_from_step"),
         world_size=summary.get("world_size", config.world_size),
         resumed_from_world_size=summary.get("resumed_from_world_size"),
+        startup_s=dict(summary.get("startup_s", {})),
     )
