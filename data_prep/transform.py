@@ -496,16 +496,23 @@ class _Lookup:
         self.dtype = dtype
         self.direct: np.ndarray | None = None
         if dtype == "int64":
-            ids = np.asarray(values, dtype=np.int64)
+            # An extended vocabulary (data_prep.idmap) has holes (None): freed slots
+            # that map nothing; slot i is index i + 1 either way.
+            array = pa.array(values, pa.int64())
+            valid = pc.is_valid(array).to_numpy(zero_copy_only=False)
+            slot = np.flatnonzero(valid).astype(np.int64)
+            ids = array.filter(pa.array(valid)).to_numpy(zero_copy_only=False)
             order = np.argsort(ids, kind="stable")
             self.sorted = ids[order]
-            self.index = order.astype(np.int64) + 1
+            self.index = slot[order] + 1
             if len(ids) and int(ids.max()) - int(ids.min()) < max(4 * len(ids), 1 << 16):
                 # A narrow id range: index by offset, no search (at most 4x the vocabulary).
                 self.low = int(ids.min())
                 self.direct = np.zeros(int(ids.max()) - self.low + 1, np.int64)
-                self.direct[ids - self.low] = np.arange(1, len(ids) + 1)
+                self.direct[ids - self.low] = slot + 1
         else:
+            # Holes stay in the value set as nulls, so a value's position is its slot;
+            # lookups never ask for null (nulls are in the indices, not the dictionary).
             self.value_set = pa.array(values, pa.string())
 
     def __call__(self, column: pa.Array) -> np.ndarray:

@@ -735,6 +735,8 @@ def _value_names(transform: dict | None, feature: str) -> Callable[[int], str]:
     def name(index: int) -> str:
         if index == 0:
             return "<oov>"
-        return str(values[index - 1]) if index <= len(values) else f"#{index}"
+        if index > len(values) or values[index - 1] is None:  # a hole: freed slot
+            return f"#{index}"
+        return str(values[index - 1])
 
     return name

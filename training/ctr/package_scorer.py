@@ -151,7 +151,10 @@ class _SparseFeature:
         self.buckets = entry["hash_buckets"] if entry["kind"] == "hash" else None
         self.vocabulary: dict = {}
         if self.buckets is None:
-            self.vocabulary = {value: i + 1 for i, value in enumerate(entry["values"])}
+            # Holes (None: slots an incremental chain freed) map nothing.
+            self.vocabulary = {
+                value: i + 1 for i, value in enumerate(entry["values"]) if value is not None
+            }
 
     def indices(self, values: list[Any]) -> np.ndarray:
         """(N,) raw values -> (N,) int64 indices: 0 for unseen/missing (vocabulary)."""
