@@ -282,6 +282,84 @@ def reshard_state(
     return result
 
 
+def warm_start_state(
+    shards: list[dict[str, torch.Tensor]],
+    old_sizes: list[int],
+    new_sizes: list[int],
+    reset_rows: list[list[int]],
+    embedding_dim: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+) -> dict[str, torch.Tensor]:
+    """One rank's shard state for a grown table, from a parent model's shards.
+
+    An incremental day (`data_prep.idmap`) keeps every known id's row index within its
+    feature, appends rows for new ids and names the rows whose id changed (evicted, or
+    reused by a new id). Row i of feature f therefore carries over from the parent's
+    row i of f unless it is new (i >= the parent's size) or reset; those get this
+    table's initial values (`init_rows` of the new sizes, as a fresh run would) and a
+    zero optimizer state and admission count. Features' offsets move when an earlier
+    table grows, so rows are mapped per feature, not by global row. The result depends
+    on neither the parent's world size nor this one.
+
+    Args:
+        shards: The parent's `ShardedEmbedding.state_dict()` of every rank, in order.
+        old_sizes: The parent's rows per feature.
+        new_sizes: This run's rows per feature (each >= the parent's).
+        reset_rows: Per feature, the rows (indices within the feature) to start afresh.
+        embedding_dim: D.
+        seed: This run's init seed.
+        rank: This rank.
+        world_size: This run's world size W.
+
+    Returns:
+        The state dict for `ShardedEmbedding.load_state_dict` (the parent's step count).
+
+    Raises:
+        ValueError: The feature counts differ, a table shrank, or a reset row is out
+            of its table.
+    """
+    if len(old_sizes) != len(new_sizes) or len(reset_rows) != len(new_sizes):
+        raise ValueError(
+            f"the parent has {len(old_sizes)} features and this run {len(new_sizes)} "
+            f"({len(reset_rows)} reset lists): a warm start needs the same features"
+        )
+    for f, (old, new, reset) in enumerate(zip(old_sizes, new_sizes, reset_rows, strict=True)):
+        if new < old or any(not 0 <= r < new for r in reset):
+            raise ValueError(
+                f"feature {f}: the parent's table has {old} rows and this one {new}, reset "
+                "rows must be inside it; a warm start only grows tables"
+            )
+    old_offsets, new_offsets = table_offsets(old_sizes), table_offsets(new_sizes)
+    old_world = len(shards)
+    rows = torch.arange(rank, int(new_offsets[-1]), world_size)  # this rank's global rows
+    feature = torch.searchsorted(new_offsets[1:], rows, right=True)
+    within = rows - new_offsets[feature]
+    reset_global = torch.cat(
+        [new_offsets[f] + torch.tensor(r, dtype=torch.int64) for f, r in enumerate(reset_rows)]
+    )
+    keep = (within < torch.tensor(old_sizes)[feature]) & ~torch.isin(rows, reset_global)
+    parent_row = old_offsets[feature] + within  # meaningful where keep
+
+    fresh = init_rows(new_sizes, embedding_dim, seed, rank, world_size)
+    result: dict[str, torch.Tensor] = {}
+    for name, tensor in shards[0].items():
+        if name == "steps":
+            result[name] = tensor.clone()
+        elif name == "weight":
+            result[name] = fresh
+        else:
+            result[name] = torch.zeros((len(rows), *tensor.shape[1:]), dtype=tensor.dtype)
+    for old_rank, shard in enumerate(shards):
+        mine = keep & (parent_row % old_world == old_rank)
+        source = parent_row[mine] // old_world
+        for name, tensor in shard.items():
+            if name != "steps":
+                result[name][mine] = tensor[source]
+    return result
+
+
 @dataclass
 class LookupContext:
     """What `lookup` remembers for sending the gradients back.

@@ -20,6 +20,7 @@ from training.ctr.embedding import (
     sum_rows,
     table_offsets,
     unique_inverse,
+    warm_start_state,
 )
 
 SIZES = [7, 13, 5]
@@ -363,3 +364,53 @@ def test_sum_rows_equals_index_add_in_order(size: int, bound: int) -> None:
     got_rows, got = sum_rows(rows, values, bound)
     assert torch.equal(got_rows, unique)
     assert torch.equal(got, expected)
+
+
+def test_warm_start_carries_kept_rows_and_starts_new_and_reset_rows_afresh() -> None:
+    # The parent: tables [4, 3] trained on 2 ranks (random rows and Adagrad state).
+    old_sizes, new_sizes = [4, 3], [6, 3]  # feature 0 grew by 2 rows; offsets moved
+    reset = [[1], [2]]  # feature 0's row 1 and feature 1's row 2 changed ids
+    generator = torch.Generator().manual_seed(0)
+    shards = []
+    for rank in range(2):
+        store = ShardedEmbedding(
+            old_sizes, DIM, "rowwise_adagrad", 0.1, seed=3, rank=rank, world_size=2
+        )
+        store.weight.copy_(torch.randn(store.weight.shape, generator=generator))
+        store.state["sum_sq"].copy_(torch.rand(store.weight.shape[0], generator=generator))
+        store.steps = 7
+        shards.append({k: v.clone() for k, v in store.state_dict().items()})
+    parent = gather_full_table([s["weight"] for s in shards], 7)
+    parent_sum = gather_full_table([s["sum_sq"][:, None] for s in shards], 7)[:, 0]
+
+    tables = {}
+    for world_size in (1, 2, 3):
+        states = [
+            warm_start_state(shards, old_sizes, new_sizes, reset, DIM, 5, rank, world_size)
+            for rank in range(world_size)
+        ]
+        assert all(int(state["steps"]) == 7 for state in states)
+        weight = gather_full_table([state["weight"] for state in states], 9)
+        sum_sq = gather_full_table([state["sum_sq"][:, None] for state in states], 9)[:, 0]
+        tables[world_size] = (weight, sum_sq)
+    # The same table whatever the parent's and this run's world sizes.
+    for world_size in (2, 3):
+        assert torch.equal(tables[world_size][0], tables[1][0])
+        assert torch.equal(tables[world_size][1], tables[1][1])
+    weight, sum_sq = tables[1]
+    fresh = init_rows(new_sizes, DIM, 5)
+    kept = {0: 0, 2: 2, 3: 3, 6: 4, 7: 5}  # new global row -> parent global row
+    for new_row, old_row in kept.items():
+        assert torch.equal(weight[new_row], parent[old_row])
+        assert sum_sq[new_row] == parent_sum[old_row]
+    for new_row in (1, 4, 5, 8):  # reset (1, 8) and grown (4, 5): initial, no state
+        assert torch.equal(weight[new_row], fresh[new_row])
+        assert sum_sq[new_row] == 0
+
+
+def test_warm_start_refuses_a_table_that_shrank() -> None:
+    store = ShardedEmbedding([4, 3], DIM, "rowwise_adagrad", 0.1)
+    with pytest.raises(ValueError, match="only grows tables"):
+        warm_start_state([store.state_dict()], [4, 3], [3, 3], [[], []], DIM, 0, 0, 1)
+    with pytest.raises(ValueError, match="same features"):
+        warm_start_state([store.state_dict()], [4, 3], [4], [[]], DIM, 0, 0, 1)
