@@ -7,6 +7,12 @@ This is the project's embedded default dataset. It reads nothing and writes:
 - ``<out>/_bayes.json``: the Bayes-optimal AUC of the hidden model (all rows and the last
   ``test_fraction`` of time), the click rate and the full config.
 
+With ``daily_partitions`` the data files are instead ``<out>/dt=YYYY-MM-DD/part-00000.<format>``,
+one folder per UTC date of the rows, and ``_bayes.json`` adds each date's rows, Bayes AUC and
+click rate under ``partitions``. With ``item_churn`` or ``popularity_drift`` the item catalogue
+changes from date to date (``_Drift``): items stop and new ones (new ids) take their traffic,
+and popularity takes a random walk, so yesterday's model meets ids it has never seen.
+
 Labels are ``Bernoulli(sigmoid(z + eps))`` where ``z`` is a noise-free logit built from per-id
 biases, categorical effects, dense effects and a low-rank user x item term, and ``eps`` is
 per-impression noise no model can see. ``p_true = sigmoid(z)`` ranks exactly like the Bayes
@@ -83,6 +89,7 @@ _Z_LO, _Z_HI, _Z_BINS = -16.0, 16.0, 20_000
 _TABLE_STREAM = 0
 _CHUNK_STREAM = 1
 _MALFORMED_STREAM = 2
+_DRIFT_STREAM = 3
 
 
 class GenerateConfig(BaseModel):
@@ -136,6 +143,16 @@ class GenerateConfig(BaseModel):
     """Zipf exponent of user activity."""
     preference_mix: float = 0.3
     """Fraction of impressions drawn from the user's preferred categories, in [0, 1]."""
+    daily_partitions: bool = False
+    """Write one folder per UTC date of the rows, ``dt=YYYY-MM-DD/part-00000.<format>``,
+    instead of ``num_files`` flat files: what an incremental pipeline reads one day at a
+    time (a ``start_ts`` off midnight makes the first and last dates partial)."""
+    item_churn: float = 0.0
+    """Fraction of the item catalogue replaced every day from the second on, in [0, 1):
+    the replaced items stop and new ones (new ids, their own bias and latent factors, the
+    same category and price) take their share of the traffic."""
+    popularity_drift: float = 0.0
+    """Standard deviation of each item's daily log-popularity random walk (0: fixed)."""
 
     @model_validator(mode="after")
     def _check(self) -> GenerateConfig:
@@ -180,7 +197,21 @@ class GenerateConfig(BaseModel):
             raise ConfigError(f"test_fraction must be in (0, 1), got {self.test_fraction}")
         if not 0.0 <= self.preference_mix <= 1.0:
             raise ConfigError(f"preference_mix must be in [0, 1], got {self.preference_mix}")
+        if not 0.0 <= self.item_churn < 1.0:
+            raise ConfigError(f"item_churn must be in [0, 1), got {self.item_churn}")
+        if self.popularity_drift < 0:
+            raise ConfigError(f"popularity_drift must be >= 0, got {self.popularity_drift}")
+        if self.daily_partitions and "num_files" in self.model_fields_set:
+            raise ConfigError(
+                "num_files does not apply with daily_partitions (one file per day); "
+                "remove num_files"
+            )
         return self
+
+    @property
+    def drifts(self) -> bool:
+        """Whether the item catalogue or its popularity changes from day to day."""
+        return self.item_churn > 0 or self.popularity_drift > 0
 
 
 @dataclass(frozen=True)
@@ -217,6 +248,7 @@ class _World:
     item_price: np.ndarray  # (I,) rounded to cents
     item_bias: np.ndarray  # (I,)
     item_latent: np.ndarray  # (I, D), scaled so a user . item dot has std latent_scale
+    cat_latent: np.ndarray  # (C, D) each category's latent direction (unscaled)
     item_pop_cdf: np.ndarray  # (I,) cumulative Zipf popularity over item indices
     cat_items: np.ndarray  # (I,) item indices sorted by category
     cat_pop_cdf: np.ndarray  # (I,) cumulative popularity in cat_items order
@@ -231,6 +263,60 @@ class _World:
     slot_start: np.ndarray  # (S,) start second of each UTC-hour slot of the span
     slot_len: np.ndarray  # (S,) seconds of the span in each slot
     slot_cdf: np.ndarray  # (S,) cumulative event mass over slots
+
+
+class _Drift:
+    """The item catalogue of each UTC date, advanced one date at a time, in order.
+
+    Item slot i (its category and price are fixed) holds one item at a time; its id is
+    ``i + 1 + num_items * generation``, so a replaced item's successor has a new id. On
+    each date after the first, ``item_churn`` of the slots get a new generation with a
+    fresh bias and latent vector, and every item's log-popularity takes a normal step
+    of ``popularity_drift``. Date d's tables depend only on (seed, d) and date d - 1's.
+    """
+
+    def __init__(self, config: GenerateConfig, world: _World) -> None:
+        self._config = config
+        self._world = world
+        self.date = config.start_ts // _SECONDS_PER_DAY  # days since the epoch
+        self.generation = np.zeros(config.num_items, dtype=np.int64)
+        self.bias = world.item_bias.copy()
+        self.latent = world.item_latent.copy()
+        self._log_pop = np.log(np.diff(world.item_pop_cdf, prepend=0.0))
+        self._tables()
+
+    def advance(self, date: int) -> None:
+        """Move the catalogue forward to `date` (never back)."""
+        if date < self.date:
+            raise ValueError(f"drift cannot go back from date {self.date} to {date}")
+        config, world = self._config, self._world
+        num_items, dim = config.num_items, config.latent_dim
+        while self.date < date:
+            self.date += 1
+            rng = np.random.default_rng([config.seed, _DRIFT_STREAM, self.date])
+            replaced = np.flatnonzero(rng.random(num_items) < config.item_churn)
+            self.generation[replaced] += 1
+            self.bias[replaced] = rng.normal(0.0, config.item_bias_scale, len(replaced))
+            # A new item of the same category: the category's share of the latent
+            # direction (as _build_world draws it), its own share redrawn.
+            own = rng.normal(size=(len(replaced), dim))
+            direction = world.cat_latent[world.item_category[replaced]]
+            self.latent[replaced] = (np.sqrt(0.8) * direction + np.sqrt(0.2) * own) * (
+                config.latent_scale / np.sqrt(dim)
+            )
+            self._log_pop += rng.normal(0.0, config.popularity_drift, num_items)
+        self._tables()
+
+    def _tables(self) -> None:
+        world = self._world
+        popularity = np.exp(self._log_pop - self._log_pop.max())
+        self.pop_cdf = np.cumsum(popularity)
+        self.cat_pop_cdf = np.cumsum(popularity[world.cat_items])
+        cat_mass = np.bincount(
+            world.item_category, weights=popularity, minlength=len(world.category_effect)
+        )
+        self.cat_hi = np.cumsum(cat_mass)
+        self.cat_lo = self.cat_hi - cat_mass
 
 
 @dataclass(frozen=True)
@@ -283,24 +369,31 @@ def generate_logs(config: GenerateConfig) -> GenerateResult:
 def _write_all(config: GenerateConfig, staging: Path) -> tuple[list[str], dict]:
     """Write every data file and _bayes.json into ``staging``; return names and stats."""
     world = _build_world(config)
+    drift = _Drift(config, world) if config.drifts else None
     span = config.days * _SECONDS_PER_DAY
     test_start = config.start_ts + (1.0 - config.test_fraction) * span
     names = [f"part-{k:05d}.{config.format}" for k in range(config.num_files)]
     file_bounds = [k * config.num_rows // config.num_files for k in range(config.num_files + 1)]
     # hist[split, click, bin]: split 0 = all well-formed rows, 1 = test window only.
     hist = np.zeros((2, 2, _Z_BINS), dtype=np.int64)
+    daily: dict[str, np.ndarray] = {}  # partition -> hist[click, bin] of its rows
     num_malformed = 0
     num_chunks = -(-config.num_rows // config.chunk_rows)
     sink: _Sink | None = None
     file_index = -1
+    if config.daily_partitions:
+        names = []
     for chunk_index in range(num_chunks):
         lo = chunk_index * config.chunk_rows
         hi = min(config.num_rows, lo + config.chunk_rows)
-        chunk = _generate_chunk(config, world, chunk_index, lo, hi)
+        chunk = _generate_chunk(config, world, chunk_index, lo, hi, drift)
         malformed = _pick_malformed(config, chunk_index, hi - lo)
         num_malformed += len(malformed)
         _accumulate_histograms(hist, chunk, malformed, test_start)
         payload = _render(config.format, chunk, malformed, config, chunk_index)
+        if config.daily_partitions:
+            sink = _write_by_date(chunk, malformed, payload, config, staging, names, sink, daily)
+            continue
         # A chunk may span several files and a file several chunks.
         row = lo
         while row < hi:
@@ -326,10 +419,69 @@ def _write_all(config: GenerateConfig, staging: Path) -> tuple[list[str], dict]:
         "seed": config.seed,
         "config": config.model_dump(),
     }
+    if config.daily_partitions:
+        # Each day's own ceiling: what a model evaluated on that day can reach at best.
+        stats["partitions"] = {
+            name: {
+                "rows": int(counts.sum()),
+                "bayes_auc": _json_float(_auc_from_histograms(counts[1], counts[0])),
+                "click_rate": float(counts[1].sum() / max(1, counts.sum())),
+            }
+            for name, counts in daily.items()
+        }
     # JSON has no NaN; an undefined AUC (one class absent) is written as null.
     printable = {k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in stats.items()}
     (staging / "_bayes.json").write_text(json.dumps(printable, indent=2) + "\n")
     return names, stats
+
+
+def _json_float(value: float) -> float | None:
+    """JSON has no NaN: an undefined figure is null."""
+    return None if np.isnan(value) else value
+
+
+def partition_name(date: int) -> str:
+    """The folder of a UTC date (days since the epoch): ``dt=YYYY-MM-DD``."""
+    day = np.datetime64(date, "D")
+    return f"dt={day}"
+
+
+def _write_by_date(
+    chunk: _Chunk,
+    malformed: np.ndarray,
+    payload: pa.Table | list[str],
+    config: GenerateConfig,
+    staging: Path,
+    names: list[str],
+    sink: _Sink | None,
+    daily: dict[str, np.ndarray],
+) -> _Sink | None:
+    """Append a chunk's rows to their dates' files (rows are in time order); returns the
+    open sink. Adds the well-formed rows to their date's ``daily`` histogram."""
+    dates = chunk.columns["ts"] // _SECONDS_PER_DAY
+    bounds = np.flatnonzero(np.diff(dates)) + 1
+    well_formed = np.ones(len(dates), dtype=bool)
+    well_formed[malformed] = False
+    bins = np.clip(
+        ((chunk.z - _Z_LO) * (_Z_BINS / (_Z_HI - _Z_LO))).astype(np.int64), 0, _Z_BINS - 1
+    )
+    click = chunk.columns["click"]
+    for start, stop in zip([0, *bounds], [*bounds, len(dates)], strict=True):
+        name = partition_name(int(dates[start]))
+        relative = f"{name}/part-00000.{config.format}"
+        if not names or names[-1] != relative:
+            if sink is not None:
+                sink.close()
+            (staging / name).mkdir()
+            names.append(relative)
+            sink = _Sink(config.format, staging / relative)
+            daily[name] = np.zeros((2, _Z_BINS), dtype=np.int64)
+        sink.write(payload, start, stop)
+        keep = well_formed[start:stop]
+        for label in (0, 1):
+            selected = bins[start:stop][keep & (click[start:stop] == label)]
+            daily[name][label] += np.bincount(selected, minlength=_Z_BINS)
+    return sink
 
 
 def _publish(staging: Path, out_dir: Path, token: str) -> None:
@@ -457,6 +609,7 @@ def _build_world(config: GenerateConfig) -> _World:
         item_price=item_price,
         item_bias=item_bias,
         item_latent=item_latent,
+        cat_latent=cat_latent,
         item_pop_cdf=item_pop_cdf,
         cat_items=cat_items,
         cat_pop_cdf=cat_pop_cdf,
@@ -479,10 +632,37 @@ def _sample_cdf(cdf: np.ndarray, mass: np.ndarray) -> np.ndarray:
     return np.minimum(np.searchsorted(cdf, mass, side="right"), len(cdf) - 1)
 
 
+def _sample_items(
+    rng: np.random.Generator,
+    user: np.ndarray,
+    world: _World,
+    catalogue: _World | _Drift,
+    preference_mix: float,
+) -> np.ndarray:
+    """Item slots for `user`'s impressions: mostly by global popularity, sometimes by
+    popularity within one of the user's preferred categories (`catalogue`'s tables)."""
+    n = len(user)
+    pop_cdf = catalogue.item_pop_cdf if isinstance(catalogue, _World) else catalogue.pop_cdf
+    item = _sample_cdf(pop_cdf, rng.random(n) * pop_cdf[-1])
+    prefer = np.flatnonzero(rng.random(n) < preference_mix)
+    pick = rng.choice(_NUM_PREFERRED_CATEGORIES, size=len(prefer), p=[0.5, 0.3, 0.2])
+    cat = world.user_pref_cats[user[prefer], pick]
+    lo_mass, hi_mass = catalogue.cat_lo[cat], catalogue.cat_hi[cat]
+    within = lo_mass + rng.random(len(prefer)) * (hi_mass - lo_mass)
+    item[prefer] = world.cat_items[_sample_cdf(catalogue.cat_pop_cdf, within)]
+    return item
+
+
 def _generate_chunk(
-    config: GenerateConfig, world: _World, chunk_index: int, lo: int, hi: int
+    config: GenerateConfig,
+    world: _World,
+    chunk_index: int,
+    lo: int,
+    hi: int,
+    drift: _Drift | None = None,
 ) -> _Chunk:
-    """Generate rows ``[lo, hi)`` of the log from ``(seed, chunk stream, chunk_index)``."""
+    """Generate rows ``[lo, hi)`` of the log from ``(seed, chunk stream, chunk_index)``;
+    with `drift`, each date's rows draw from that date's item catalogue."""
     rng = np.random.default_rng([config.seed, _CHUNK_STREAM, chunk_index])
     n = hi - lo
 
@@ -509,25 +689,34 @@ def _generate_chunk(
     switch = rng.random(n) < _DEVICE_SWITCH_PROB
     device[switch] = rng.choice(len(DEVICES), size=int(switch.sum()), p=_DEVICE_SHARE)
 
-    # Items: mostly by global popularity, sometimes by popularity within a preferred category.
-    item = _sample_cdf(world.item_pop_cdf, rng.random(n) * world.item_pop_cdf[-1])
-    prefer = np.flatnonzero(rng.random(n) < config.preference_mix)
-    pick = rng.choice(_NUM_PREFERRED_CATEGORIES, size=len(prefer), p=[0.5, 0.3, 0.2])
-    cat = world.user_pref_cats[user[prefer], pick]
-    lo_mass, hi_mass = world.cat_lo[cat], world.cat_hi[cat]
-    within = lo_mass + rng.random(len(prefer)) * (hi_mass - lo_mass)
-    item[prefer] = world.cat_items[_sample_cdf(world.cat_pop_cdf, within)]
+    if drift is None:
+        item = _sample_items(rng, user, world, world, config.preference_mix)
+        item_id, item_bias, item_latent = item + 1, world.item_bias[item], world.item_latent[item]
+    else:  # the rows are in time order: one segment per date
+        item = np.empty(n, dtype=np.int64)
+        item_id = np.empty(n, dtype=np.int64)
+        item_bias = np.empty(n)
+        item_latent = np.empty((n, config.latent_dim))
+        dates = ts // _SECONDS_PER_DAY
+        bounds = np.flatnonzero(np.diff(dates)) + 1
+        for start, stop in zip([0, *bounds], [*bounds, n], strict=True):
+            drift.advance(int(dates[start]))
+            part = _sample_items(rng, user[start:stop], world, drift, config.preference_mix)
+            item[start:stop] = part
+            item_id[start:stop] = part + 1 + config.num_items * drift.generation[part]
+            item_bias[start:stop] = drift.bias[part]
+            item_latent[start:stop] = drift.latent[part]
 
     position = rng.choice(_NUM_POSITIONS, size=n, p=world.position_p) + 1
     category = world.item_category[item]
     city = world.user_city[user]
     price = world.item_price[item]
 
-    latent = np.einsum("nd,nd->n", world.user_latent[user], world.item_latent[item])
+    latent = np.einsum("nd,nd->n", world.user_latent[user], item_latent)
     z = (
         config.base_logit
         + world.user_bias[user]
-        + world.item_bias[item]
+        + item_bias
         + latent
         + world.city_effect[city]
         + world.device_effect[device]
@@ -543,7 +732,7 @@ def _generate_chunk(
     columns = {
         "ts": ts,
         "user_id": user + 1,
-        "item_id": item + 1,
+        "item_id": item_id,
         "city": city,
         "device": device,
         "hour": hour,

@@ -361,6 +361,9 @@ def test_failure_leaves_previous_output_and_no_staging(
         ({"test_fraction": 0.0}, "test_fraction"),
         ({"chunk_rows": -1}, "chunk_rows"),
         ({"seed": -3}, "seed"),
+        ({"item_churn": 1.0}, "item_churn"),
+        ({"popularity_drift": -0.1}, "popularity_drift"),
+        ({"daily_partitions": True, "num_files": 2}, "num_files"),
     ],
 )
 def test_invalid_config_raises_config_error(overrides: dict[str, object], field: str) -> None:
@@ -396,3 +399,58 @@ def test_files_may_hold_several_chunks_or_part_of_one(tmp_path: Path) -> None:
         table = _read(result, "parquet")
         assert table.num_rows == 3_000
         assert np.all(np.diff(table["ts"].to_numpy()) >= 0)
+
+
+def test_daily_partitions_hold_each_date_and_its_own_ceiling(tmp_path: Path) -> None:
+    fields = {  # not _config: it sets num_files, which daily partitions refuse
+        "out": str(tmp_path / "raw"), "num_rows": 3_000, "num_users": 200, "num_items": 300,
+        "num_categories": 8, "num_cities": 5, "days": 7, "chunk_rows": 700,
+        "daily_partitions": True, "format": "parquet", "start_ts": 20_000 * DAY,
+    }
+    result = generate_logs(GenerateConfig(**fields))
+    names = [f.parent.name for f in result.files]
+    assert names == [f"dt=2024-10-{d:02d}" for d in range(4, 11)]  # day 20,000 = 2024-10-04
+    total = 0
+    partitions = json.loads((result.out_dir / "_bayes.json").read_text())["partitions"]
+    for date, path in enumerate(result.files, start=20_000):
+        ts = pq.read_table(path)["ts"].to_numpy()
+        assert (ts // DAY == date).all()  # every row in its date's folder
+        total += len(ts)
+        assert partitions[path.parent.name]["rows"] == len(ts)
+        assert 0.6 < partitions[path.parent.name]["bayes_auc"] < 1.0
+    assert total == 3_000
+
+
+def test_item_churn_brings_new_ids_every_day_and_none_without_it(tmp_path: Path) -> None:
+    def items_by_day(**drift: float) -> list[set[int]]:
+        fields = {
+            "out": str(tmp_path / f"raw-{len(drift)}"), "num_rows": 20_000, "num_users": 300,
+            "num_items": 400, "num_categories": 8, "num_cities": 5, "days": 7,
+            "chunk_rows": 3_000, "daily_partitions": True, "format": "parquet",
+            "start_ts": 20_000 * DAY, **drift,
+        }
+        result = generate_logs(GenerateConfig(**fields))
+        return [set(pq.read_table(f)["item_id"].to_pylist()) for f in result.files]
+
+    fixed = items_by_day()
+    assert max(max(day) for day in fixed) <= 400  # the same catalogue every day
+    churned = items_by_day(item_churn=0.2, popularity_drift=0.3)
+    assert churned[0] <= set(range(1, 401))  # day 1 is the base catalogue
+    for day in range(1, len(churned)):
+        today, yesterday = churned[day], churned[day - 1]
+        new = today - set().union(*churned[:day])
+        assert len(new) / len(today) > 0.05  # ids never seen before, every day
+        assert len(today & yesterday) / len(today) > 0.3  # most of the catalogue goes on
+    # After 6 days of 20% churn, ~74% of the base catalogue has stopped.
+    assert len(churned[-1] & churned[0]) < 0.6 * len(churned[0])
+
+
+def test_drift_is_deterministic(tmp_path: Path) -> None:
+    fields = {
+        "num_rows": 4_000, "num_users": 100, "num_items": 200, "num_categories": 4,
+        "num_cities": 3, "days": 3, "chunk_rows": 900, "daily_partitions": True,
+        "item_churn": 0.3, "popularity_drift": 0.5, "format": "csv",
+    }
+    first = generate_logs(GenerateConfig(out=str(tmp_path / "a"), **fields))
+    second = generate_logs(GenerateConfig(out=str(tmp_path / "b"), **fields))
+    assert [f.read_bytes() for f in first.files] == [f.read_bytes() for f in second.files]
