@@ -186,10 +186,9 @@ def sum_rows(
     """The sorted unique rows and, for each, the sum of its values in the order given.
 
     Equal (but for the sign of a zero sum) to `torch.zeros(U, D).index_add_(0, inverse,
-    values)` after
-    `torch.unique(rows, sorted=True, return_inverse=True)`, but most rows occur once: the
-    values are gathered in sorted order, each row's first value taken as is and only the
-    repeats added (CPU's 2-D index_add_ costs a slice add per row).
+    values)` after `torch.unique(rows, sorted=True, return_inverse=True)`, but most rows
+    occur once: the values are gathered in sorted order, each row's first value taken as
+    is and only the repeats added (CPU's 2-D index_add_ costs a slice add per row).
 
     Args:
         rows: (M,) int64 row indices in [0, bound).

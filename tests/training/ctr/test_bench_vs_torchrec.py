@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,8 @@ def test_quick_recforge_side_reports_every_figure(tmp_path: Path) -> None:
         assert set(recforge["step_ms"]) == PHASES
         assert recforge["step_ms"]["total"] > 0
         assert len(recforge["peak_rss_mb"]) == 2 and min(recforge["peak_rss_mb"]) > 0
-        assert recforge["threads_per_rank"] == 1  # 2 ranks on this 2-core machine: 1 each
+        # 2 ranks share the machine's cores equally (1 each on the 2-core build machine).
+        assert recforge["threads_per_rank"] == max(1, (os.cpu_count() or 1) // 2)
         startup = recforge["rank0_startup_s"]
         assert {"imports", "rendezvous", "table_init", "engine", "reader"} <= set(startup)
         assert 0 < recforge["time_to_first_step_s"] < recforge["launch_to_exit_s"]
