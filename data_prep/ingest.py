@@ -38,6 +38,7 @@ whoever runs the step, with the same bytes.
 import json
 import posixpath
 import queue
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -53,16 +54,27 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from artifacts.errors import DataError, InputNotFoundError
 from artifacts.fingerprint import content_sha256
-from artifacts.locations import Location, as_location, close_output, join, open_output, write_text
+from artifacts.locations import (
+    Location,
+    as_location,
+    close_output,
+    join,
+    open_output,
+    safe_join,
+    write_text,
+)
 from data_prep.errors import SchemaError, preview
 from data_prep.preprocess import ordered_map
 from data_prep.readers import Format, TextBatch, read_batches
 from data_prep.schema import FieldSpec, SchemaConfig
 from data_prep.transform import splitmix64
+
+# A partition folder name (ingest.partition): one segment, no path syntax.
+_PARTITION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]*")
 
 _EXTENSIONS: dict[str, Format] = {
     ".csv": "csv",
@@ -99,6 +111,13 @@ class IngestConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     path: str = Field(description="A file, directory, glob or fsspec URL of the raw logs.")
+    partition: str | None = Field(
+        default=None,
+        max_length=128,
+        description="One partition to ingest instead of all of `path`: a folder directly "
+        "under the `path` directory, e.g. `dt=2026-12-05` (letters, digits, `_ . = -`; "
+        "no `/`). Cached by content like any input.",
+    )
     format: Literal["auto", "csv", "tsv", "jsonl", "parquet"] = Field(
         default="auto", description="File format; auto picks it from each file's extension."
     )
@@ -123,6 +142,34 @@ class IngestConfig(BaseModel):
     rows_per_file: int = Field(
         default=1_000_000, ge=1, description="Clean rows per output Parquet file."
     )
+
+    @field_validator("partition")
+    @classmethod
+    def _partition_is_a_folder_name(cls, value: str | None) -> str | None:
+        # A partition may come from the UI or a schedule: one plain folder name, never a
+        # path that climbs out of ingest.path or names another location.
+        if value is not None and not _PARTITION_NAME.fullmatch(value):
+            raise ValueError(
+                f"{value[:80]!r} is not a partition folder name: use letters, digits and "
+                "'_ . = -', starting with a letter or digit (e.g. dt=2026-12-05)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _partition_needs_a_directory(self) -> "IngestConfig":
+        if self.partition is not None and any(ch in self.path for ch in "*?["):
+            raise ValueError(
+                f"ingest.partition names a folder under ingest.path, which is a glob "
+                f"({self.path!r}); point ingest.path at the directory of the partitions"
+            )
+        return self
+
+    def source(self) -> Location:
+        """Where the raw logs are read from: `path`, or its `partition` folder (joined
+        by `safe_join`: a symlinked partition that leads outside `path` is refused)."""
+        if self.partition is None:
+            return self.path
+        return safe_join(self.path.rstrip("/"), self.partition, "ingest.partition")
 
     @field_validator("delimiter")
     @classmethod
@@ -227,6 +274,35 @@ def resolve_inputs(path: str, fmt: str = "auto") -> list[tuple[str, Format]]:
     return files
 
 
+def check_partition(config: IngestConfig) -> None:
+    """A named `ingest.partition` must be a folder under `ingest.path`.
+
+    Raises:
+        InputNotFoundError: It is not; the message names the newest partitions there.
+        UnsafeName: It leads outside `ingest.path` (a symlink).
+    """
+    if config.partition is None:
+        return
+    fs, root = fsspec.core.url_to_fs(str(config.source()))
+    if fs.isdir(root):
+        return
+    base_fs, base = fsspec.core.url_to_fs(config.path)
+    try:
+        names = sorted(
+            posixpath.basename(entry["name"].rstrip("/"))
+            for entry in base_fs.ls(base, detail=True)
+            if entry.get("type") == "directory"
+        )
+    except OSError:
+        names = []
+    shown = ", ".join(repr(name[:40]) for name in names[-5:]) or "none"
+    raise InputNotFoundError(
+        f"ingest.partition '{config.partition}' is not a folder under ingest.path "
+        f"'{config.path}' (the newest there: {shown}); name one that has arrived, e.g. "
+        f"--set ingest.partition={names[-1][:40] if names else 'dt=YYYY-MM-DD'}"
+    )
+
+
 def describe_inputs(path: str, fmt: str = "auto") -> list[dict]:
     """Name, size and sha256 of every input file, for cache fingerprints.
 
@@ -310,7 +386,7 @@ def ingest_logs(
             exceeds ``max_bad_fraction``.
         DataError: the inputs hold no rows at all.
     """
-    inputs = resolve_inputs(config.path, config.format)
+    inputs = resolve_inputs(str(config.source()), config.format)
     out_dir = as_location(out_dir)
     if isinstance(out_dir, Path):
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -657,7 +733,7 @@ def combine_reports(
     }
     write_text(join(out_dir, "validation.json"), json.dumps(report, indent=2))
     if total == 0:
-        raise DataError(f"ingest.path '{config.path}' holds no rows.")
+        raise DataError(f"ingest.path '{config.source()}' holds no rows.")
     if result.bad_fraction > config.max_bad_fraction:
         top = ", ".join(f"{r} ({n})" for r, n in list(result.reasons.items())[:5])
         first = examples[0]

@@ -26,6 +26,7 @@ from data_prep.ingest import (
     Format,
     IngestConfig,
     IngestResult,
+    check_partition,
     combine_reports,
     describe_inputs,
     find_replays,
@@ -59,7 +60,8 @@ def ingest_section(
     relative to it with its sha256, so the same bytes elsewhere hit the cache.
     """
     return {
-        "ingest": config.model_dump(exclude={"path"}),
+        # Nor which partition: a day's files are keyed by their content alone.
+        "ingest": config.model_dump(exclude={"path", "partition"}),
         "schema": schema.model_dump(),
         "drift": drift.model_dump(),
         "inputs": inputs,
@@ -78,9 +80,11 @@ def ingest_task(
     """Validate raw logs into clean events and a quarantine; compare with the last run."""
     cluster = _dask_cluster()
     if store.remote and cluster is not None:
-        check_inputs_reachable(config.path, cluster.address)
+        check_inputs_reachable(str(config.source()), cluster.address)
         check_workers(cluster.client, store.url)
-    section = ingest_section(config, schema, drift, describe_inputs(config.path, config.format))
+    check_partition(config)
+    inputs = describe_inputs(str(config.source()), config.format)
+    section = ingest_section(config, schema, drift, inputs)
     fp = stage_fingerprint("ingest", section, [])
     logger = get_run_logger()
 
@@ -215,7 +219,7 @@ def ingest_in_parallel(
     if numbers_records_globally(schema):
         with terminal_progress("ingest rows", None) as advance:
             return ingest_logs(config, schema, out_dir, on_progress=advance)
-    inputs = resolve_inputs(config.path, config.format)
+    inputs = resolve_inputs(str(config.source()), config.format)
     originals = find_replays([url for url, _ in inputs])
     out_dir = as_location(out_dir)
     if not is_remote(out_dir):

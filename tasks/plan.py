@@ -23,7 +23,7 @@ from prefect.artifacts import create_markdown_artifact
 from artifacts.errors import InputNotFoundError
 from artifacts.fingerprint import code_version, fingerprint, library_versions
 from artifacts.store import STAGES, ArtifactStore, Stage
-from data_prep.ingest import describe_inputs
+from data_prep.ingest import check_partition, describe_inputs
 from tasks import evaluate, ingest, preprocess
 from tasks.common import Mode, StageOutput, load_run_key, stage_modules, task_options
 from tasks.train_nodes import check_dispatch
@@ -63,9 +63,10 @@ def stage_bases(config: Any) -> dict[Stage, StageBasis]:
         config: The pipeline config (flows.config.PipelineConfig).
 
     Raises:
-        InputNotFoundError: `ingest.path` matches no files.
+        InputNotFoundError: `ingest.path` (or its `ingest.partition`) matches no files.
     """
-    inputs = describe_inputs(config.ingest.path, config.ingest.format)
+    check_partition(config.ingest)
+    inputs = describe_inputs(str(config.ingest.source()), config.ingest.format)
     return {
         "ingest": StageBasis(
             ingest.ingest_section(config.ingest, config.schema_, config.drift, inputs),
