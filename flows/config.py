@@ -5,6 +5,8 @@ validates everything at once. Unknown keys are errors; every error names the
 file, the field and the offending value.
 """
 
+import datetime
+import re
 from pathlib import Path
 
 import yaml
@@ -73,6 +75,27 @@ class PipelineConfig(BaseModel):
                     "under another protocol than the test's; set both to the same value"
                 )
         return self
+
+
+# `{scheduled_date}` or `{scheduled_date-Nd}` in an override's value: the flow run's
+# scheduled UTC date (N days before it), so a daily deployment names its partition.
+_SCHEDULE_TOKEN = re.compile(r"\{scheduled_date(?:-(\d{1,3})d)?\}")
+
+
+def expand_schedule(overrides: list[str], scheduled: datetime.datetime) -> list[str]:
+    """Overrides with every `{scheduled_date}` / `{scheduled_date-Nd}` replaced by the
+    date (YYYY-MM-DD, UTC) of `scheduled`, or N days before it.
+
+    A daily deployment with `--set ingest.partition=dt={scheduled_date-1d}` ingests
+    yesterday's partition on every run, and a backfill or a late run still names the day
+    it was scheduled for. Other text, braces included, is left as it is.
+    """
+    day = scheduled.astimezone(datetime.UTC).date()
+
+    def date_of(match: re.Match[str]) -> str:
+        return (day - datetime.timedelta(days=int(match.group(1) or 0))).isoformat()
+
+    return [_SCHEDULE_TOKEN.sub(date_of, override) for override in overrides]
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:

@@ -16,6 +16,7 @@ sends CTR models to `training.ctr` and sequence models to `training.sequence`, p
 | bless, promote | `tasks.promote.bless_task`, `tasks.promote.promote_task` | `training.stages.evaluate` (the champion), `training.blessing.decide` |
 """  # noqa: E501
 
+import datetime
 import math
 import time
 import uuid
@@ -30,7 +31,7 @@ from artifacts.errors import ConfigError, StoreUnreachable
 from artifacts.lease import RunLease
 from artifacts.locations import backend_errors, is_remote
 from artifacts.store import DEFAULT_ROOT, STAGES, ArtifactStore, Stage
-from flows.config import PipelineConfig, load_config
+from flows.config import PipelineConfig, expand_schedule, load_config
 from flows.deploy import check_deployment_defaults, check_deployment_run
 from tasks.common import Mode, StageOutput
 from tasks.evaluate import evaluate_task
@@ -150,9 +151,17 @@ def pipeline(
         from_stage=from_stage,
         only=only or [],
         force=force or [],
-        overrides=overrides or [],
+        overrides=expand_schedule(overrides or [], _scheduled_time()),
     )
     return run_pipeline(params)
+
+
+def _scheduled_time() -> datetime.datetime:
+    """When this flow run was scheduled for (now, for a run started by hand)."""
+    scheduled = runtime.flow_run.scheduled_start_time
+    if scheduled is None:
+        return datetime.datetime.now(datetime.UTC)
+    return datetime.datetime.fromtimestamp(scheduled.timestamp(), datetime.UTC)
 
 
 @flow(name="recforge-rerun", flow_run_name=_run_name, log_prints=True)
@@ -187,7 +196,7 @@ def rerun(
         root=root,
         from_stage=stage if downstream else None,
         only=[] if downstream else [stage],
-        overrides=overrides or [],
+        overrides=expand_schedule(overrides or [], _scheduled_time()),
     )
     return run_pipeline(params)
 

@@ -1,9 +1,10 @@
+import datetime
 from pathlib import Path
 
 import pytest
 
 from artifacts.errors import ConfigError
-from flows.config import load_config
+from flows.config import expand_schedule, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,3 +96,25 @@ def test_an_evaluate_or_export_field_of_another_model_is_refused(config, overrid
     # The refusal names the field; it does not dump the whole config.
     assert "'schema'" not in str(err.value)
     load_config(path, overrides[:-1])  # the same config without it loads
+
+
+def test_schedule_tokens_name_the_scheduled_day_in_utc():
+    late_evening_in_tokyo = datetime.datetime(
+        2026, 12, 7, 1, 30, tzinfo=datetime.timezone(datetime.timedelta(hours=9))
+    )  # 2026-12-06 16:30 UTC
+    overrides = [
+        "ingest.partition=dt={scheduled_date-1d}",
+        "name=daily-{scheduled_date}",
+        "name=braces {kept} {scheduled_date-x}",
+    ]
+    assert expand_schedule(overrides, late_evening_in_tokyo) == [
+        "ingest.partition=dt=2026-12-05",
+        "name=daily-2026-12-06",
+        "name=braces {kept} {scheduled_date-x}",
+    ]
+    # The expanded partition is then validated like any override.
+    config = load_config(
+        REPO / "configs" / "demo.yaml",
+        expand_schedule(["ingest.partition=dt={scheduled_date-1d}"], late_evening_in_tokyo),
+    )
+    assert config.ingest.partition == "dt=2026-12-05"
