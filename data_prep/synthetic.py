@@ -310,7 +310,7 @@ class _Drift:
     def _tables(self) -> None:
         world = self._world
         popularity = np.exp(self._log_pop - self._log_pop.max())
-        self.pop_cdf = np.cumsum(popularity)
+        self.item_pop_cdf = np.cumsum(popularity)
         self.cat_pop_cdf = np.cumsum(popularity[world.cat_items])
         cat_mass = np.bincount(
             world.item_category, weights=popularity, minlength=len(world.category_effect)
@@ -458,16 +458,11 @@ def _write_by_date(
 ) -> _Sink | None:
     """Append a chunk's rows to their dates' files (rows are in time order); returns the
     open sink. Adds the well-formed rows to their date's ``daily`` histogram."""
-    dates = chunk.columns["ts"] // _SECONDS_PER_DAY
-    bounds = np.flatnonzero(np.diff(dates)) + 1
-    well_formed = np.ones(len(dates), dtype=bool)
+    well_formed = np.ones(len(chunk.z), dtype=bool)
     well_formed[malformed] = False
-    bins = np.clip(
-        ((chunk.z - _Z_LO) * (_Z_BINS / (_Z_HI - _Z_LO))).astype(np.int64), 0, _Z_BINS - 1
-    )
-    click = chunk.columns["click"]
-    for start, stop in zip([0, *bounds], [*bounds, len(dates)], strict=True):
-        name = partition_name(int(dates[start]))
+    bins, click = _z_bins(chunk.z), chunk.columns["click"]
+    for date, start, stop in _date_runs(chunk.columns["ts"]):
+        name = partition_name(date)
         relative = f"{name}/part-00000.{config.format}"
         if not names or names[-1] != relative:
             if sink is not None:
@@ -477,11 +472,15 @@ def _write_by_date(
             sink = _Sink(config.format, staging / relative)
             daily[name] = np.zeros((2, _Z_BINS), dtype=np.int64)
         sink.write(payload, start, stop)
-        keep = well_formed[start:stop]
-        for label in (0, 1):
-            selected = bins[start:stop][keep & (click[start:stop] == label)]
-            daily[name][label] += np.bincount(selected, minlength=_Z_BINS)
+        _add_rows(daily[name], bins[start:stop], click[start:stop], well_formed[start:stop])
     return sink
+
+
+def _date_runs(ts: np.ndarray) -> list[tuple[int, int, int]]:
+    """(UTC date, start, stop) of each run of rows on one date; `ts` is sorted."""
+    dates = ts // _SECONDS_PER_DAY
+    bounds = [0, *(np.flatnonzero(np.diff(dates)) + 1).tolist(), len(ts)]
+    return [(int(dates[a]), a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _publish(staging: Path, out_dir: Path, token: str) -> None:
@@ -640,9 +639,10 @@ def _sample_items(
     preference_mix: float,
 ) -> np.ndarray:
     """Item slots for `user`'s impressions: mostly by global popularity, sometimes by
-    popularity within one of the user's preferred categories (`catalogue`'s tables)."""
+    popularity within one of the user's preferred categories (`catalogue`'s tables:
+    the fixed world's, or one date's under drift)."""
     n = len(user)
-    pop_cdf = catalogue.item_pop_cdf if isinstance(catalogue, _World) else catalogue.pop_cdf
+    pop_cdf = catalogue.item_pop_cdf
     item = _sample_cdf(pop_cdf, rng.random(n) * pop_cdf[-1])
     prefer = np.flatnonzero(rng.random(n) < preference_mix)
     pick = rng.choice(_NUM_PREFERRED_CATEGORIES, size=len(prefer), p=[0.5, 0.3, 0.2])
@@ -697,10 +697,8 @@ def _generate_chunk(
         item_id = np.empty(n, dtype=np.int64)
         item_bias = np.empty(n)
         item_latent = np.empty((n, config.latent_dim))
-        dates = ts // _SECONDS_PER_DAY
-        bounds = np.flatnonzero(np.diff(dates)) + 1
-        for start, stop in zip([0, *bounds], [*bounds, n], strict=True):
-            drift.advance(int(dates[start]))
+        for date, start, stop in _date_runs(ts):
+            drift.advance(date)
             part = _sample_items(rng, user[start:stop], world, drift, config.preference_mix)
             item[start:stop] = part
             item_id[start:stop] = part + 1 + config.num_items * drift.generation[part]
@@ -765,15 +763,21 @@ def _accumulate_histograms(
     """Add the chunk's well-formed rows to ``hist[split, click, bin]`` in place."""
     well_formed = np.ones(len(chunk.z), dtype=bool)
     well_formed[malformed] = False
-    bins = np.clip(
-        ((chunk.z - _Z_LO) * (_Z_BINS / (_Z_HI - _Z_LO))).astype(np.int64), 0, _Z_BINS - 1
-    )
-    click = chunk.columns["click"]
+    bins, click = _z_bins(chunk.z), chunk.columns["click"]
     in_test = chunk.columns["ts"] >= test_start
     for split, mask in enumerate((well_formed, well_formed & in_test)):
-        for label in (0, 1):
-            selected = bins[mask & (click == label)]
-            hist[split, label] += np.bincount(selected, minlength=_Z_BINS)
+        _add_rows(hist[split], bins, click, mask)
+
+
+def _z_bins(z: np.ndarray) -> np.ndarray:
+    """The histogram bin of each logit (clipped into the end bins)."""
+    return np.clip(((z - _Z_LO) * (_Z_BINS / (_Z_HI - _Z_LO))).astype(np.int64), 0, _Z_BINS - 1)
+
+
+def _add_rows(hist: np.ndarray, bins: np.ndarray, click: np.ndarray, mask: np.ndarray) -> None:
+    """Add the masked rows to ``hist[click, bin]`` in place."""
+    for label in (0, 1):
+        hist[label] += np.bincount(bins[mask & (click == label)], minlength=_Z_BINS)
 
 
 def _auc_from_histograms(pos: np.ndarray, neg: np.ndarray) -> float:

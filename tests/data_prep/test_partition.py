@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from artifacts.errors import InputNotFoundError
 from artifacts.locations import UnsafeName
+from data_prep.drift import DriftConfig
 from data_prep.ingest import IngestConfig, check_partition, describe_inputs, ingest_logs
 from tasks.ingest import ingest_section
 from tests.data_prep.test_ingest import GOOD, write_csv
@@ -53,19 +54,19 @@ def test_a_partition_reads_only_its_folder(tmp_path, schema):
     assert str(config.source()).endswith("dt=2026-12-06")
 
 
-def test_a_partition_is_cached_by_its_content_not_its_name(tmp_path, schema, monkeypatch):
+def test_a_partition_is_cached_by_its_content_not_its_name(tmp_path, schema):
     root = partitioned(tmp_path / "raw")
     write_csv(root / "dt=2026-12-08" / "part-00000.csv", GOOD)  # a replayed day
     section = {}
     for day in ("dt=2026-12-06", "dt=2026-12-08", "dt=2026-12-05"):
         config = IngestConfig(path=str(root), partition=day)
         inputs = describe_inputs(str(config.source()))
-        section[day] = ingest_section(config, schema, _drift(), inputs)
+        section[day] = ingest_section(config, schema, DriftConfig(), inputs)
     assert section["dt=2026-12-06"] == section["dt=2026-12-08"]
     assert section["dt=2026-12-06"] != section["dt=2026-12-05"]
     # Configs without a partition keep their fingerprints (the field is not in them).
     plain = IngestConfig(path=str(root))
-    assert "partition" not in ingest_section(plain, schema, _drift(), [])["ingest"]
+    assert "partition" not in ingest_section(plain, schema, DriftConfig(), [])["ingest"]
 
 
 def test_a_missing_partition_names_the_newest_ones_there(tmp_path):
@@ -83,8 +84,3 @@ def test_a_partition_of_a_glob_is_refused(tmp_path):
     with pytest.raises(ValidationError, match="glob"):
         IngestConfig(path=str(tmp_path / "*.csv"), partition="dt=2026-12-05")
 
-
-def _drift():
-    from data_prep.drift import DriftConfig
-
-    return DriftConfig()
