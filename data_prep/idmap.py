@@ -34,6 +34,8 @@ distinct ids; `last_seen` is one int per slot in the transform JSON.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +45,9 @@ import pyarrow.compute as pc
 from data_prep.errors import SchemaError
 from data_prep.schema import SchemaConfig
 from data_prep.transform import _ARROW_TYPES, TRANSFORM_FORMAT, FitStats
+
+# Keys that describe one link of the chain (against its parent), not carried forward.
+_PER_LINK = ("changes", "parent_sizes", "parent_digest")
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,11 @@ def extend_vocabulary(
     return new_entry, change
 
 
+def transform_digest(transform: dict) -> str:
+    """sha256 of a transform's canonical JSON: what `parent_digest` names."""
+    return hashlib.sha256(json.dumps(transform, sort_keys=True).encode()).hexdigest()
+
+
 def start_chain(transform: dict, partition: str) -> dict:
     """A freshly fitted transform as the first link of a chain: fitted on `partition`.
 
@@ -206,8 +216,10 @@ def extend_transform(
 
     Returns:
         The extended transform: the same format, plus `partitions` (every partition
-        the chain has seen, in order), `ttl`, `history` and `changes` (this
-        partition's `reset_rows` per vocabulary feature).
+        the chain has seen, in order), `ttl`, `history`, `changes` (this
+        partition's `reset_rows` per vocabulary feature), `parent_sizes` (the parent's
+        rows per sparse feature) and `parent_digest` (`transform_digest(parent)`): with
+        these a model of the parent can be laid onto this transform's rows.
 
     Raises:
         SchemaError: The parent is of another format or schema, or has seen the
@@ -233,7 +245,8 @@ def extend_transform(
     if ttl is not None and ttl < 1:
         raise SchemaError(f"ttl must be >= 1 partition, got {ttl}")
     ordinal = len(partitions)
-    transform = copy.deepcopy({k: v for k, v in parent.items() if k != "changes"})
+    inherited = {k: v for k, v in parent.items() if k not in _PER_LINK}
+    transform = copy.deepcopy(inherited)
     record: dict = {"partition": partition, "rows": stats.rows, "features": {}}
     changes: dict = {}
     for name, entry in parent["sparse"].items():
@@ -248,4 +261,8 @@ def extend_transform(
     transform["ttl"] = ttl
     transform["history"] = [*parent.get("history", []), record]
     transform["changes"] = changes
+    transform["parent_sizes"] = {
+        name: entry["num_embeddings"] for name, entry in parent["sparse"].items()
+    }
+    transform["parent_digest"] = transform_digest(parent)
     return transform

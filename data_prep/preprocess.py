@@ -68,6 +68,7 @@ from artifacts.locations import (
     read_bytes,
     write_bytes,
 )
+from data_prep.idmap import extend_transform, start_chain
 from data_prep.schema import SchemaConfig
 from data_prep.sequences import build_sequences
 from data_prep.transform import (
@@ -155,6 +156,13 @@ class PreprocessConfig(BaseModel):
         "for the sequence models' side features. Needs sequence_length.",
     )
 
+    ttl: int | None = Field(
+        default=None,
+        ge=1,
+        description="Incremental runs (train.init): an id not seen for this many partitions "
+        "is evicted, its row freed for a new id (data_prep.idmap). None keeps every id.",
+    )
+
     @model_validator(mode="after")
     def _train_remains(self) -> "PreprocessConfig":
         if self.valid_fraction + self.test_fraction >= 1.0:
@@ -170,6 +178,9 @@ class PreprocessResult:
 
     ``valid_start_ts``/``test_start_ts`` are the time split's boundaries (None for
     leave_last_out); ``leakage`` is the highest single-feature train AUC per feature.
+    ``partitions`` (a chain's transform only) lists every partition the transform has
+    seen, and ``vocabulary`` what this partition did to each vocabulary (its history
+    record: added, reused, evicted, live, num_embeddings).
     """
 
     out_dir: Location
@@ -180,6 +191,8 @@ class PreprocessResult:
     split: str = "time"
     leakage: dict[str, float] | None = None
     sequences: dict[str, int] | None = None
+    partitions: list[str] | None = None
+    vocabulary: dict[str, dict] | None = None
 
 
 def preprocess_events(
@@ -189,8 +202,10 @@ def preprocess_events(
     out_dir: Location,
     on_progress: Callable[[int], None] | None = None,
     map_files: FileMapper | None = None,
+    partition: str | None = None,
+    parent: dict | None = None,
 ) -> PreprocessResult:
-    """Split events, fit the transform on train, transform every split.
+    """Split events, fit the transform on train (or extend `parent`'s), transform every split.
 
     Args:
         config: the preprocess section.
@@ -203,6 +218,13 @@ def preprocess_events(
             range(files))`` yielding results in file order; the default uses one thread
             per core. The task layer passes one that maps through the Prefect task
             runner (threads or Dask), so ``fn`` must stay picklable.
+        partition: The partition the events are (``ingest.partition``): the transform
+            records it, as the first link of a chain (`data_prep.idmap.start_chain`) or
+            the next one.
+        parent: The transform of the model this run warm-starts from: extended with
+            this partition's train rows (`data_prep.idmap.extend_transform`, expiring ids
+            after ``config.ttl`` partitions) instead of fitted afresh, so known ids keep
+            their rows. Needs ``partition``.
 
     Returns:
         Row counts per split, vocabulary sizes, the split and the leak figures.
@@ -231,6 +253,17 @@ def preprocess_events(
     for part in map_files(count_file, range(len(events.files))):
         merge_stats(stats, part)
     transform = fit_transform(stats, schema, config.min_count)
+    if parent is not None:
+        if partition is None:
+            raise ConfigError(
+                "an incremental run extends its parent's transform with one partition: "
+                "set ingest.partition (e.g. dt=2026-12-05)"
+            )
+        leakage = transform["leakage"]  # today's rows: the leak check is about this day
+        transform = extend_transform(parent, stats, schema, partition, config.ttl)
+        transform["leakage"] = leakage
+    elif partition is not None:
+        transform = start_chain(transform, partition)
     transform["split"] = plan.describe()
     _check_label_leaks(transform, config)
     out_dir = as_location(out_dir)
@@ -287,6 +320,8 @@ def preprocess_events(
         out_dir=out_dir,
         rows=rows,
         vocab_sizes={n: v["num_embeddings"] for n, v in transform["sparse"].items()},
+        partitions=transform.get("partitions"),
+        vocabulary=transform["history"][-1]["features"] if "history" in transform else None,
         valid_start_ts=time_plan.valid_start if time_plan else None,
         test_start_ts=time_plan.test_start if time_plan else None,
         split=config.split,

@@ -36,6 +36,7 @@ from flows.deploy import check_deployment_defaults, check_deployment_run
 from tasks.common import Mode, StageOutput
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
+from tasks.incremental import Parent, lineage_record, parent_task
 from tasks.ingest import ingest_task
 from tasks.plan import StagePlan, check_plan, plan_task, record_bases
 from tasks.preprocess import preprocess_task
@@ -223,6 +224,7 @@ def _run_leased(params: RunParams, store: ArtifactStore, run_id: str, lease: Run
     plans: list[StagePlan] = []
     error: BaseException | None = None
     config: PipelineConfig | None = None
+    parent: Parent | None = None
     try:
         config = load_config(params.config, params.overrides)
         try:
@@ -230,12 +232,14 @@ def _run_leased(params: RunParams, store: ArtifactStore, run_id: str, lease: Run
             leased = True
         except (*backend_errors(), OSError):
             leased = False  # a missing bucket or refused credentials: the plan names them
-        plans = plan_task(config, plan_modes(params), store)
+        # train.init: the model this run warm-starts from, verified (it keys the plan).
+        parent = parent_task(config, store)
+        plans = plan_task(config, plan_modes(params), store, parent)
         if not leased:
             lease.start()  # the store answered the plan: now the run must hold its lease
         lease.name(plan.fingerprint for plan in plans)
         check_plan(plans)
-        run_stages(config, plans, store, outputs)
+        run_stages(config, plans, store, outputs, parent)
         promotion = bless_task(
             config.bless,
             config.evaluate,
@@ -260,9 +264,15 @@ def _run_leased(params: RunParams, store: ArtifactStore, run_id: str, lease: Run
         raise error
     record = build_run_record(run_id, params, outputs, error, failed_at)
     record["promotion"] = promotion
+    if config is not None and config.ingest.partition is not None:
+        record["lineage"] = lineage_record(
+            parent,
+            outputs["preprocess"].meta.get("partitions") if "preprocess" in outputs else None,
+            [],
+        )
     path = store.write_run_record(run_id, record)
     if config is not None and plans:
-        record_bases(config, store, plans, outputs)
+        record_bases(config, store, plans, outputs, parent)
     publish_run_artifacts(record, path, params)
     print(f"run record: {path}")
     if error is not None:
@@ -275,8 +285,12 @@ def run_stages(
     plans: list[StagePlan],
     store: ArtifactStore,
     outputs: dict[str, StageOutput],
+    parent: Parent | None = None,
 ) -> None:
-    """The six stage tasks in order, each in its planned mode; fills `outputs` as they end."""
+    """The six stage tasks in order, each in its planned mode; fills `outputs` as they end.
+
+    `parent` (train.init) is the model an incremental run extends and warm-starts from.
+    """
     modes = {p.stage: p.mode for p in plans}
     outputs["ingest"] = _result(
         ingest_task(
@@ -296,6 +310,8 @@ def run_stages(
             outputs["ingest"],
             store,
             modes["preprocess"],
+            partition=config.ingest.partition,
+            parent=parent,
             return_state=True,
         )
     )
@@ -309,6 +325,7 @@ def run_stages(
             outputs["preprocess"],
             store,
             modes["train"],
+            parent=parent,
             return_state=True,
         )
     )
@@ -336,6 +353,7 @@ def run_stages(
             store,
             modes["export"],
             ingest=outputs["ingest"],
+            parent=parent,
             return_state=True,
         )
     )

@@ -1,5 +1,6 @@
 """Prefect task for the export stage: model package + registry entry."""
 
+import json
 from pathlib import Path
 
 from prefect import task
@@ -15,6 +16,7 @@ from tasks.common import (
     task_options,
     upstream_dirs,
 )
+from tasks.incremental import LINEAGE, Parent, lineage_record
 from training.config import ExportConfig
 from training.stages import export
 
@@ -31,18 +33,21 @@ def export_task(
     store: ArtifactStore,
     mode: Mode,
     ingest: StageOutput | None = None,
+    parent: Parent | None = None,
 ) -> StageOutput:
     """Package the trained model (`training.stages.export`) and register it.
 
     Given `ingest`, the package is infra-validated on raw test events where the model's
-    family supports it.
+    family supports it. The package's `lineage.json` names the parent model (`parent`,
+    an incremental run's), the partitions its transform has seen and the stage outputs
+    it was made from: the next day's warm start finds this model's train output there.
     """
     upstream = [train, preprocess, shard, evaluate, *([ingest] if ingest is not None else [])]
     section = {**config.model_dump(), "model": model, "item_field": item_field}
     fp = stage_fingerprint("export", section, upstream)
 
     def produce(out_dir: Path) -> dict:
-        return export(
+        meta = export(
             config,
             model,
             item_field,
@@ -50,6 +55,9 @@ def export_task(
             out_dir,
             infra_validate=ingest is not None,
         )
+        lineage = lineage_record(parent, preprocess.meta.get("partitions"), upstream)
+        (out_dir / LINEAGE).write_text(json.dumps(lineage, indent=2) + "\n")
+        return {**meta, "lineage": lineage}
 
     output = run_stage("export", fp, mode, store, produce)
     if output.status == "skipped":

@@ -26,6 +26,7 @@ from artifacts.store import STAGES, ArtifactStore, Stage
 from data_prep.ingest import check_partition, describe_inputs
 from tasks import evaluate, ingest, preprocess
 from tasks.common import Mode, StageOutput, load_run_key, stage_modules, task_options
+from tasks.incremental import Parent, train_section
 from tasks.train_nodes import check_dispatch
 
 Action = Literal["run", "cached", "skip", "missing"]
@@ -56,11 +57,12 @@ class StagePlan:
     changes: list[str] = field(default_factory=list)
 
 
-def stage_bases(config: Any) -> dict[Stage, StageBasis]:
+def stage_bases(config: Any, parent: Parent | None = None) -> dict[Stage, StageBasis]:
     """Each stage's fingerprint basis, exactly as its task computes it.
 
     Args:
         config: The pipeline config (flows.config.PipelineConfig).
+        parent: The model an incremental run starts from (`tasks.incremental`).
 
     Raises:
         InputNotFoundError: `ingest.path` (or its `ingest.partition`) matches no files.
@@ -74,7 +76,9 @@ def stage_bases(config: Any) -> dict[Stage, StageBasis]:
             tuple(stage_modules("ingest")),
         ),
         "preprocess": StageBasis(
-            preprocess.preprocess_section(config.preprocess, config.schema_),
+            preprocess.preprocess_section(
+                config.preprocess, config.schema_, config.ingest.partition, parent
+            ),
             ("ingest",),
             tuple(stage_modules("preprocess")),
         ),
@@ -82,7 +86,7 @@ def stage_bases(config: Any) -> dict[Stage, StageBasis]:
             config.shard.model_dump(), ("preprocess",), tuple(stage_modules("shard")), "shard"
         ),
         "train": StageBasis(
-            config.train.fingerprinted(),
+            train_section(config.train, parent),
             ("shard", "preprocess"),
             tuple(stage_modules("train")),
             "train",
@@ -103,19 +107,22 @@ def stage_bases(config: Any) -> dict[Stage, StageBasis]:
     }  # fmt: skip
 
 
-def plan_run(config: Any, modes: dict[Stage, Mode], store: ArtifactStore) -> list[StagePlan]:
+def plan_run(
+    config: Any, modes: dict[Stage, Mode], store: ArtifactStore, parent: Parent | None = None
+) -> list[StagePlan]:
     """The plan of a run of `config` under `modes` (from `--from/--only/--force`).
 
     Args:
         config: The pipeline config.
         modes: Each stage's mode (flows.pipeline.plan_modes).
         store: The artifact store.
+        parent: The model an incremental run starts from.
 
     Returns:
         One StagePlan per stage, in stage order. `missing` means the stage must be
         reused (it is upstream of `--from/--only`) but has no output for its fingerprint.
     """
-    bases = stage_bases(config)
+    bases = stage_bases(config, parent)
     previous = store.read_latest_json(config.name, PLAN_FILE) or {}
     fps: dict[Stage, str] = {}
     plans = []
@@ -184,14 +191,18 @@ def plan_markdown(pipeline: str, plans: list[StagePlan]) -> str:
 
 
 def record_bases(
-    config: Any, store: ArtifactStore, plans: list[StagePlan], outputs: dict[str, StageOutput]
+    config: Any,
+    store: ArtifactStore,
+    plans: list[StagePlan],
+    outputs: dict[str, StageOutput],
+    parent: Parent | None = None,
 ) -> Path | str:
     """Remember what each stage's published output was made from, for the next plan.
 
     Only stages whose output now exists for the planned fingerprint (ran or cached) are
     recorded; the others keep their earlier entry.
     """
-    bases = stage_bases(config)
+    bases = stage_bases(config, parent)
     fps = {p.stage: p.fingerprint for p in plans}
     record = store.read_latest_json(config.name, PLAN_FILE) or {}
     for p in plans:
@@ -274,7 +285,9 @@ def _short(value: Any) -> str:
 
 
 @task(name="plan", task_run_name="plan", **task_options(retries=0))
-def plan_task(config: Any, modes: dict[Stage, Mode], store: ArtifactStore) -> list[StagePlan]:
+def plan_task(
+    config: Any, modes: dict[Stage, Mode], store: ArtifactStore, parent: Parent | None = None
+) -> list[StagePlan]:
     """Plan the run (`plan_run`) and show it as the `plan` Markdown artifact.
 
     A remote root is checked first, once: an unreachable bucket or missing credentials
@@ -289,7 +302,7 @@ def plan_task(config: Any, modes: dict[Stage, Mode], store: ArtifactStore) -> li
     load_run_key(store)
     store.check_reachable()
     check_dispatch(config.train, store.url)
-    plans = plan_run(config, modes, store)
+    plans = plan_run(config, modes, store, parent)
     markdown = plan_markdown(config.name, plans)
     create_markdown_artifact(
         key="plan", markdown=markdown, description="Which stages run, which are cache hits, why"

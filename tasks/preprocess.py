@@ -19,12 +19,30 @@ from tasks.common import (
     stage_fingerprint,
     task_options,
 )
+from tasks.incremental import Parent
 from tasks.progress import terminal_progress
 
 
-def preprocess_section(config: PreprocessConfig, schema: SchemaConfig) -> dict:
-    """What preprocess's fingerprint covers besides ingest's output."""
-    return {"preprocess": config.model_dump(), "schema": schema.model_dump()}
+def preprocess_section(
+    config: PreprocessConfig,
+    schema: SchemaConfig,
+    partition: str | None = None,
+    parent: Parent | None = None,
+) -> dict:
+    """What preprocess's fingerprint covers besides ingest's output.
+
+    The partition (the transform records it) and the parent whose transform is extended
+    count only when set, and ttl only when on: configs without them keep their keys.
+    """
+    section = {
+        "preprocess": config.model_dump(exclude={"ttl"} if config.ttl is None else set()),
+        "schema": schema.model_dump(),
+    }
+    if partition is not None:
+        section["partition"] = partition
+    if parent is not None:
+        section["parent"] = parent.identity()
+    return section
 
 
 @task(name="preprocess", task_run_name="preprocess", **task_options())
@@ -34,9 +52,16 @@ def preprocess_task(
     ingest: StageOutput,
     store: ArtifactStore,
     mode: Mode,
+    partition: str | None = None,
+    parent: Parent | None = None,
 ) -> StageOutput:
-    """Split clean events, fit the feature transform on train, transform every split."""
-    fp = stage_fingerprint("preprocess", preprocess_section(config, schema), [ingest])
+    """Split clean events, fit the feature transform on train, transform every split.
+
+    With a `parent` (an incremental run, `tasks.incremental`) the parent's transform is
+    extended with this partition instead (known ids keep their rows).
+    """
+    section = preprocess_section(config, schema, partition, parent)
+    fp = stage_fingerprint("preprocess", section, [ingest])
 
     def produce(out_dir: Path | str) -> dict:
         with terminal_progress("preprocess rows", ingest.meta.get("good_rows")) as advance:
@@ -47,6 +72,8 @@ def preprocess_task(
                 out_dir,
                 on_progress=advance,
                 map_files=prefect_file_mapper("preprocess"),
+                partition=partition,
+                parent=parent.transform() if parent is not None else None,
             )
         return {
             "rows": result.rows,
@@ -56,6 +83,8 @@ def preprocess_task(
             "split": result.split,
             "leakage": result.leakage,
             "sequences": result.sequences,
+            **({"partitions": result.partitions} if result.partitions else {}),
+            **({"vocabulary": result.vocabulary} if result.vocabulary else {}),
         }
 
     output = run_stage_at("preprocess", fp, mode, store, produce)

@@ -29,7 +29,7 @@ from artifacts.store import ArtifactStore
 from tasks.common import StageOutput, local_dir, upstream_dirs
 from training.blessing import BlessConfig, decide
 from training.config import EvaluateConfig
-from training.stages import bless_thresholds, data_stage, evaluate
+from training.stages import bless_thresholds, champion_view, data_stage, evaluate
 
 TRANSFORM = "transform.json"
 CHAMPION_EVALS = "champion-evals"
@@ -51,12 +51,39 @@ def champion_metrics_on(
     """
     package = registry.path(champion)
     ours = local_dir(preprocess) / TRANSFORM
-    if not (package / TRANSFORM).is_file() or file_sha256(package / TRANSFORM) != file_sha256(ours):
-        return None, (
-            f"champion {champion} was trained with another fitted transform, so it cannot "
-            "be scored on this test data; promote by hand (`recforge models promote`) if "
-            "the new model should replace it"
+    same = (package / TRANSFORM).is_file() and file_sha256(package / TRANSFORM) == file_sha256(
+        ours
+    )
+    with tempfile.TemporaryDirectory(prefix="recforge-champion-") as scratch:
+        view = None
+        if not same and (package / TRANSFORM).is_file():
+            # An incremental day extends the champion's transform: score the champion on
+            # this run's rows, new ids through its out-of-vocabulary rows.
+            view = champion_view(
+                model_kind, package, upstream_dirs(shard, preprocess), Path(scratch) / "view"
+            )
+        if not same and view is None:
+            return None, (
+                f"champion {champion} was trained with another fitted transform, so it "
+                "cannot be scored on this test data; promote by hand (`recforge models "
+                "promote`) if the new model should replace it"
+            )
+        return _score_champion(
+            registry, champion, view or package, config, model_kind, shard, preprocess, scratch
         )
+
+
+def _score_champion(
+    registry: Registry,
+    champion: str,
+    package: Path,
+    config: EvaluateConfig,
+    model_kind: str,
+    shard: StageOutput,
+    preprocess: StageOutput,
+    scratch: str,
+) -> tuple[dict[str, Any] | None, str]:
+    """The champion's metrics on this run's data, scored once and kept in the registry."""
     # Scored once per (champion, test data, evaluate config); kept in the registry.
     data = {"shard": shard, "preprocess": preprocess}[data_stage(model_kind)].fingerprint
     key = hashlib.sha256(
@@ -66,20 +93,19 @@ def champion_metrics_on(
     metrics = cached_metrics(cached)
     if metrics is not None:
         return metrics, f"champion {champion} scored earlier ({cached})"
-    with tempfile.TemporaryDirectory(prefix="recforge-champion-") as scratch:
-        try:
-            # The package's transform is ours (checked above): slice keys match the
-            # candidate's, so slice thresholds compare the same values.
-            metrics = evaluate(
-                config,
-                model_kind,
-                package,
-                upstream_dirs(shard, preprocess),
-                Path(scratch),
-                env=dict(os.environ),  # for the launcher, when evaluate.workers > 1
-            )
-        except DeterministicError as error:
-            return None, f"champion {champion} could not be scored on this data: {error}"
+    try:
+        # Slices are named through this run's transform, so slice thresholds compare
+        # the same values.
+        metrics = evaluate(
+            config,
+            model_kind,
+            package,
+            upstream_dirs(shard, preprocess),
+            Path(scratch),
+            env=dict(os.environ),  # for the launcher, when evaluate.workers > 1
+        )
+    except DeterministicError as error:
+        return None, f"champion {champion} could not be scored on this data: {error}"
     cached.parent.mkdir(parents=True, exist_ok=True)
     cached.write_text(json.dumps(sign(metrics), indent=2) + "\n")
     return metrics, f"champion {champion} scored on this run's {config.split} split"

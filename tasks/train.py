@@ -24,17 +24,20 @@ from prefect.artifacts import (
 )
 
 from artifacts.checkpoint_mirror import CheckpointMirror, newest_checkpoint_meta
+from artifacts.errors import ConfigError
 from artifacts.locations import remove_tree
 from artifacts.store import ArtifactStore
 from tasks.common import (
     Mode,
     StageOutput,
     as_state,
+    local_dir,
     run_stage,
     stage_fingerprint,
     task_options,
     upstream_dirs,
 )
+from tasks.incremental import Parent, train_section
 from tasks.progress import train_progress
 from tasks.train_nodes import (
     PerNodeRun,
@@ -56,15 +59,21 @@ def train_task(
     preprocess: StageOutput,
     store: ArtifactStore,
     mode: Mode,
+    parent: Parent | None = None,
 ) -> StageOutput:
     """Train the model with DeepSpeed on `config.world_size` ranks.
 
     Which upstream output the model reads is `training.stages.train_launch`'s business.
+    With a `parent` (train.init) the ranks warm-start from its train output, verified
+    against its signed manifest before any rank reads it.
     """
-    fp = stage_fingerprint("train", config.fingerprinted(), [shard, preprocess])
+    fp = stage_fingerprint("train", train_section(config, parent), [shard, preprocess])
     # The resume checkpoints are named by what is trained, not by the layout: a retry
     # or rerun on another world size finds them (`TrainConfig.resume_keyed`).
-    key = stage_fingerprint("train", config.resume_keyed(), [shard, preprocess])
+    resume_keyed = config.resume_keyed()
+    if parent is not None:
+        resume_keyed["parent"] = parent.identity()
+    key = stage_fingerprint("train", resume_keyed, [shard, preprocess])
     logger = get_run_logger()
     # For a remote root this is the local mirror of <root>/checkpoints/train/<key>.
     resume_root = store.root / "checkpoints" / "train" / key
@@ -107,6 +116,15 @@ def train_task(
                 if line:
                     logger.warning(line)
             launched = fit_to_checkpoint(layout, store, key, resume_root, logger.info)
+            warm = None
+            if parent is not None:
+                parent_train = parent.train_output(store)
+                warm = (local_dir(parent_train), int(parent_train.meta["world_size"]))
+                if launched.launcher == "per_node":
+                    raise ConfigError(
+                        "train.init with train.launcher: per_node is not supported yet (each "
+                        "node would need the parent's checkpoint); use launcher local or ssh"
+                    )
             if launched.launcher == "per_node":
                 nodes = PerNodeRun(
                     launched, shard, preprocess, store, key, dict(os.environ), logger, workers
@@ -114,7 +132,7 @@ def train_task(
                 result = nodes.run(out_dir, on_progress)
             else:
                 run = partial(
-                    train_launch(launched, upstream_dirs(shard, preprocess)),
+                    train_launch(launched, upstream_dirs(shard, preprocess), warm),
                     out_dir,
                     master_port=launched.master_port or free_port(),
                     env=dict(os.environ),

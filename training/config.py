@@ -36,6 +36,10 @@ WHERE_FIELDS = (
 
 # Train fields a resume may change: the layout (and what follows it to keep the global
 # batch), and how the run saves and reports. They do not name the resume checkpoints.
+# A registry version: one plain name (the export stage's fingerprint prefix, or any name
+# `recforge models` shows).
+_VERSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
 RESUME_FREE_FIELDS = (
     "world_size",
     "batch_size",
@@ -53,7 +57,9 @@ RESUME_FREE_FIELDS = (
 # Train fields that say how a run saves or runs on its machine, not what it trains; left
 # out of the stage's cache key besides WHERE_FIELDS (added later than the key, so that
 # the keys of outputs written before them stay as they were).
-NOT_IN_CACHE_KEY = ("checkpoint_every_s", "threads_per_rank")
+# `init` names where the weights come from ("champion" is another model every day): the
+# train task keys the resolved parent's version and transform instead (`tasks.incremental`).
+NOT_IN_CACHE_KEY = ("checkpoint_every_s", "threads_per_rank", "init")
 
 # How long a node's task run waits for its task worker by default (dispatch 'workers').
 NODE_PICKUP_TIMEOUT_S = 600.0
@@ -500,6 +506,13 @@ class TrainConfig(BaseModel):
         "the cores.",
     )
     seed: int = Field(0, description="Seed of python, numpy and torch on every rank.")
+    init: str | None = Field(
+        None,
+        description="Incremental training: 'champion' or a registry version to warm-start "
+        "from (its embedding rows, sparse optimizer state and dense weights, mapped through "
+        "the id changes of the extended transform; needs ingest.partition). With "
+        "'champion' and no champion yet, the chain starts from scratch. None: from scratch.",
+    )
     log_every: int = Field(20, ge=1, description="Report progress every this many steps.")
 
     @field_validator("master_addr")
@@ -539,6 +552,7 @@ class TrainConfig(BaseModel):
         self._check_nodes()
         if self.model in SEQUENCE_MODELS:
             self._check_sequence_model()
+        self._check_init()
         if any(size < 1 for size in self.bottom_mlp):
             raise ValueError(f"train.bottom_mlp: layer sizes must be >= 1, got {self.bottom_mlp}")
         if any(size < 1 for size in self.top_mlp):
@@ -635,6 +649,29 @@ class TrainConfig(BaseModel):
                 f"train.nodes={self.nodes} x ranks_per_node={self.world_size // self.nodes} "
                 f"does not divide train.pipeline_stages={stages}: a stage would straddle two "
                 "nodes; choose nodes that divide pipeline_stages, or a multiple of it"
+            )
+
+    def _check_init(self) -> None:
+        """train.init (ValueError naming the field and what is missing)."""
+        if self.init is None:
+            return
+        if self.init != "champion" and not _VERSION_NAME.fullmatch(self.init):
+            raise ValueError(
+                f"train.init={self.init[:80]!r} is neither 'champion' nor a registry version "
+                "name (letters, digits, '_', '.', '-'); `recforge models list` shows them"
+            )
+        if self.model in SEQUENCE_MODELS:
+            raise ValueError(
+                f"train.init={self.init!r}: train.model={self.model} cannot warm-start yet: "
+                "its item table is not carried through a grown item vocabulary, and its "
+                "pipeline-parallel "
+                "checkpoint has no per-row mapping (only CTR models, train.model: dlrm, do); "
+                "remove train.init to train it from scratch on the partition"
+            )
+        if self.embeddings != "sharded":
+            raise ValueError(
+                "train.init needs train.embeddings: sharded (a warm start maps the sharded "
+                "table's rows and their optimizer state); remove train.init or set it"
             )
 
     def fingerprinted(self) -> dict:

@@ -89,24 +89,43 @@ def memory_budget(config: TrainConfig, accelerator: str) -> tuple[int, str]:
     )
 
 
-def train_launch(config: TrainConfig, upstream: Upstream) -> Callable[..., TrainResult | None]:
+def train_launch(
+    config: TrainConfig, upstream: Upstream, parent: tuple[Path, int] | None = None
+) -> Callable[..., TrainResult | None]:
     """The family's train function with config, local data and memory budget bound.
 
     The caller adds the launch details (out_dir, master_port, env, on_log, on_progress,
     checkpoint_root, node, stop) of `training.ctr.train.train_model` /
     `training.sequence.train.train_sequence_model`, which take the same ones.
+
+    Args:
+        config: The train section.
+        upstream: The local upstream outputs.
+        parent: train.init's parent: (its verified train output, its world size); the
+            ranks warm-start from it through this run's extended transform.
+
+    Raises:
+        ConfigError: A parent for a sequence model (train.init refuses those too).
     """
-    from training.ctr.train import train_model
+    from training.ctr.train import train_model, warm_start_spec
     from training.sequence.train import train_sequence_model
 
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     train_fn = train_sequence_model if is_sequence_model(config.model) else train_model
+    extra: dict[str, Any] = {}
+    if parent is not None:
+        if is_sequence_model(config.model):
+            raise ConfigError(f"train.model={config.model} cannot warm-start (train.init)")
+        extra["warm_start"] = partial(
+            warm_start_spec, parent[0], parent[1], upstream("preprocess") / TRANSFORM
+        )
     return partial(
         train_fn,
         config,
         _data_dir(config.model, upstream),
         accelerator=accelerator,
         memory_budget=memory_budget(config, accelerator),
+        **extra,
     )
 
 
@@ -179,6 +198,28 @@ def evaluate(
             master_port=master_port,
         )
     return json.loads(result.metrics_path.read_text())
+
+
+def champion_view(model: str, package: Path, upstream: Upstream, out_dir: Path) -> Path | None:
+    """The champion laid onto this run's extended transform, to score it on this run's data.
+
+    When this run's transform extends the champion's (an incremental day,
+    `data_prep.idmap`), `training.ctr.model.lay_onto_transform` gives the champion's
+    weights on this run's rows, scoring exactly as its own package would. None when the
+    family has no such view (sequence models) or the transform extends another model's.
+    """
+    from data_prep.idmap import transform_digest
+    from training.ctr.data import load_dataset_meta
+    from training.ctr.model import lay_onto_transform
+
+    if is_sequence_model(model):
+        return None
+    ours = json.loads((upstream("preprocess") / TRANSFORM).read_text())
+    theirs = json.loads((package / TRANSFORM).read_text())
+    if ours.get("parent_digest") != transform_digest(theirs):
+        return None
+    meta = load_dataset_meta(upstream("shard"))
+    return lay_onto_transform(package, ours, meta, out_dir)
 
 
 def export(

@@ -281,3 +281,44 @@ def test_a_thousand_sparse_slots_in_one_counting_pass(tmp_path):
     for i in (0, 7, 999):
         values, counts = np.unique(columns[f"s{i}"][:train_rows], return_counts=True)
         assert result.vocab_sizes[f"s{i}"] == int((counts >= 2).sum()) + 1
+
+
+def test_a_day_extends_its_parents_transform_and_known_ids_keep_their_rows(tmp_path, schema):
+    write_events(tmp_path / "day1", seed=0)
+    first = preprocess_events(
+        PreprocessConfig(min_count=1), schema, tmp_path / "day1", tmp_path / "pre1",
+        partition="dt=2026-12-01",
+    )  # fmt: skip
+    assert first.partitions == ["dt=2026-12-01"]
+    parent = json.loads((tmp_path / "pre1" / "transform.json").read_text())
+    # Day 2: new users 50..79 arrive, users 1..19 stop; a refit would reorder the rows.
+    day2 = write_events(tmp_path / "day2", seed=1)
+    users = day2.column("user_id").to_numpy() + 30
+    for name in ("part-00000.parquet", "part-00001.parquet"):
+        path = tmp_path / "day2" / name
+        table = pq.read_table(path)
+        shifted = pa.array(table.column("user_id").to_numpy() + 30)
+        pq.write_table(table.set_column(1, "user_id", shifted), path)
+    config = PreprocessConfig(min_count=1, ttl=1)
+    second = preprocess_events(
+        config, schema, tmp_path / "day2", tmp_path / "pre2",
+        partition="dt=2026-12-02", parent=parent,
+    )  # fmt: skip
+    child = json.loads((tmp_path / "pre2" / "transform.json").read_text())
+    assert second.partitions == ["dt=2026-12-01", "dt=2026-12-02"]
+    before, after = parent["sparse"]["user_id"]["values"], child["sparse"]["user_id"]["values"]
+    # Ids seen on both days keep their slot (row = slot + 1); ids gone for ttl=1 day are
+    # evicted and their slots taken by new ids, which the warm start must reset.
+    still = [i for i, value in enumerate(before) if value in set(users.tolist())]
+    assert still and all(after[i] == before[i] for i in still)
+    reused = child["changes"]["user_id"]["reset_rows"]
+    assert reused and all(before[row - 1] not in set(users.tolist()) for row in reused)
+    assert second.vocabulary["user_id"]["evicted"] == len(before) - len(still)
+    assert child["parent_sizes"]["user_id"] == parent["sparse"]["user_id"]["num_embeddings"]
+    # The day's shards index through the extended vocabulary.
+    train = pq.read_table(tmp_path / "pre2" / "train")
+    assert train.num_rows == second.rows["train"]
+    position = {value: slot + 1 for slot, value in enumerate(after) if value is not None}
+    assert set(train.column("user_id").to_pylist()) <= set(position.values())
+    with pytest.raises(ConfigError, match="ingest.partition"):
+        preprocess_events(config, schema, tmp_path / "day2", tmp_path / "pre3", parent=parent)

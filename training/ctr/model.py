@@ -13,18 +13,21 @@ U = embedding rows the batch reads.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from training.config import TrainConfig
+from training.ctr.consolidate import TABLE_NAME
 from training.ctr.data import DatasetMeta
 from training.ctr.embedding import init_rows, table_offsets
 from training.packaging import read_model_files
+from training.runtime.files import MODEL_CONFIG_FILE
 
 _MODEL_ARGS = (
     "table_sizes",
@@ -357,3 +360,60 @@ def load_model(train_dir: Path) -> tuple[CTRModel, dict[str, Any]]:
     model = build_model(model_config)
     model.load_state_dict(load_file(weights_path))
     return model.float().eval(), model_config
+
+
+def lay_onto_transform(
+    package: Path, transform: dict, meta: DatasetMeta, out_dir: Path
+) -> Path:
+    """A parent model laid onto the rows of a transform that extends its own.
+
+    An incremental day's transform (`data_prep.idmap.extend_transform`) keeps every known
+    id's row, appends rows for new ids and reuses evicted ids' rows. The parent model
+    scores an id it does not know through its feature's out-of-vocabulary row 0, so on
+    the new rows it is that row: kept rows are copied, new and reset rows take row 0 of
+    their feature. The result scores this transform's shards exactly as the parent's own
+    package scores the raw records, which is how the gate compares a day's model with
+    the champion on the same test data.
+
+    Args:
+        package: The parent's model directory (`model_config.json`, `model.safetensors`).
+        transform: The extending transform (with `parent_sizes` and `changes`).
+        meta: The shards' description under that transform (tables' order and sizes).
+        out_dir: Receives `model_config.json` and `model.safetensors` of the view.
+
+    Returns:
+        `out_dir`.
+
+    Raises:
+        ValueError: The transform does not extend a table of the parent's sizes.
+    """
+    model_config, _, weights_path = read_model_files(package)
+    weights = load_file(weights_path)
+    old_sizes = [int(size) for size in model_config["table_sizes"]]
+    names = [feature.name for feature in (*meta.sparse, *meta.multi_hot)]
+    recorded = transform.get("parent_sizes", {})
+    if len(names) != len(old_sizes) or any(
+        recorded.get(name, old) != old for name, old in zip(names, old_sizes, strict=True)
+    ):
+        raise ValueError(f"the transform does not extend the tables of {package}")
+    new_sizes = meta.table_sizes
+    if any(new < old for new, old in zip(new_sizes, old_sizes, strict=True)):
+        raise ValueError(f"the shards' tables are smaller than those of {package}")
+    table = weights[TABLE_NAME]
+    old_offsets = table_offsets(old_sizes)
+    parts = []
+    for f, name in enumerate(names):
+        rows = table[old_offsets[f] : old_offsets[f + 1]]
+        part = rows[0:1].expand(new_sizes[f], -1).clone()  # unknown ids: the OOV row
+        part[: old_sizes[f]] = rows
+        reset = transform.get("changes", {}).get(name, {}).get("reset_rows", [])
+        if reset:
+            part[torch.tensor(reset, dtype=torch.int64)] = rows[0]
+        parts.append(part)
+    weights[TABLE_NAME] = torch.cat(parts)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out_dir / weights_path.name))
+    (out_dir / MODEL_CONFIG_FILE).write_text(
+        json.dumps({**model_config, "table_sizes": new_sizes}, indent=2) + "\n"
+    )
+    return out_dir

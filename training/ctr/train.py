@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +39,13 @@ from training.ctr.memory import check_memory, plan_memory
 from training.ctr.model import build_arch, model_config_from
 from training.ctr.reader import steps_per_epoch
 from training.runtime.deepspeed_config import build_deepspeed_config
-from training.runtime.files import data_identity
+from training.runtime.files import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_TAG,
+    MODEL_CONFIG_FILE,
+    WEIGHTS_FILE,
+    data_identity,
+)
 from training.runtime.launcher import NodeLaunch, TrainResult, chaos_settings
 from training.runtime.memory import MemoryPlan
 from training.runtime.stage import NOT_FINGERPRINTED, LaunchPlan, resume_root, run_train_stage
@@ -88,6 +95,55 @@ def plan_total_steps(config: TrainConfig, meta: DatasetMeta) -> int:
     return total
 
 
+def warm_start_spec(
+    parent_dir: Path, parent_world_size: int, transform_path: Path, meta: DatasetMeta
+) -> dict[str, Any]:
+    """What the ranks need to warm-start from a parent model's train output.
+
+    The parent's tables map onto this run's through the extended transform
+    (`data_prep.idmap`): per feature, rows below the parent's size carry over except
+    `changes[feature].reset_rows`; the rest start afresh (`training.ctr.embedding.
+    warm_start_state`). Dense weights come from the parent's `model.safetensors`.
+
+    Args:
+        parent_dir: The parent's train output (verified by the caller).
+        parent_world_size: The world size it was trained on (its sparse shard count).
+        transform_path: This run's transform (an extension of the parent's).
+        meta: This run's dataset description (feature order and sizes).
+
+    Raises:
+        ConfigError: The parent's tables do not match the transform's record of them
+            (another parent, or another set of features).
+    """
+    parent_config = json.loads((parent_dir / MODEL_CONFIG_FILE).read_text())
+    old_sizes = [int(size) for size in parent_config["table_sizes"]]
+    transform = json.loads(transform_path.read_text())
+    names = [feature.name for feature in (*meta.sparse, *meta.multi_hot)]
+    recorded = transform.get("parent_sizes")
+    if recorded is None or len(old_sizes) != len(names):
+        raise ConfigError(
+            f"cannot warm-start from {parent_dir}: this run's transform does not extend "
+            "that model's (its features or vocabularies differ); unset train.init to start "
+            "a new chain"
+        )
+    for name, old, new in zip(names, old_sizes, meta.table_sizes, strict=True):
+        if recorded.get(name, old) != old or new < old:
+            raise ConfigError(
+                f"cannot warm-start from {parent_dir}: feature {name!r} has {old} rows there, "
+                f"but the transform extends a table of {recorded.get(name)} rows into {new}; "
+                "the preprocess output was made for another parent. Rerun preprocess "
+                "(--from preprocess)"
+            )
+    changes = transform.get("changes", {})
+    return {
+        "weights": str(parent_dir / WEIGHTS_FILE),
+        "checkpoint": str(parent_dir / CHECKPOINT_DIR / CHECKPOINT_TAG),
+        "world_size": int(parent_world_size),
+        "old_sizes": old_sizes,
+        "reset_rows": [list(changes.get(name, {}).get("reset_rows", [])) for name in names],
+    }
+
+
 def train_model(
     config: TrainConfig,
     shards_dir: Path,
@@ -102,6 +158,7 @@ def train_model(
     checkpoint_root: Path | None = None,
     node: NodeLaunch | None = None,
     stop: threading.Event | None = None,
+    warm_start: Callable[[DatasetMeta], dict[str, Any]] | None = None,
 ) -> TrainResult | None:
     """Train a CTR model with `config.world_size` DeepSpeed ranks on this machine.
 
@@ -129,6 +186,8 @@ def train_model(
         node: Where the ranks run on more than one node (`training.runtime.launcher.
             NodeLaunch`); None: every rank on this machine.
         stop: Set by the caller to stop the ranks (another node of the run failed).
+        warm_start: train.init: builds the ranks' warm start from this run's dataset
+            description (`warm_start_spec` with the parent bound).
 
     Returns:
         None for a node other than node 0 (node 0's ranks write the outputs); else
@@ -144,7 +203,7 @@ def train_model(
     """
 
     return run_train_stage(
-        plan_ctr_run,
+        partial(plan_ctr_run, warm_start=warm_start),
         WORKER,
         config,
         shards_dir,
@@ -170,6 +229,7 @@ def plan_ctr_run(
     env: Mapping[str, str],
     memory_budget: tuple[int, str] | None = None,
     checkpoint_root: Path | None = None,
+    warm_start: Callable[[DatasetMeta], dict[str, Any]] | None = None,
 ) -> LaunchPlan:
     """Everything `train_model` decides before it launches: the launch spec and its parts.
 
@@ -181,6 +241,7 @@ def plan_ctr_run(
         env: The caller's environment (only the chaos tests' settings are read from it).
         memory_budget: As `train_model`.
         checkpoint_root: As `train_model`.
+        warm_start: As `train_model`.
 
     Returns:
         The launch spec (train, model and DeepSpeed configs, paths, step plan,
@@ -223,6 +284,8 @@ def plan_ctr_run(
             config.intra_op_threads(os.cpu_count() or 1) if accelerator == "cpu" else None
         ),
     }
+    if warm_start is not None:
+        spec["warm_start"] = warm_start(meta)
     spec["config_fingerprint"] = config_fingerprint(spec)
     spec["chaos"] = chaos_settings(env)
     return LaunchPlan(spec, model_config, memory_plan, root)
@@ -259,6 +322,9 @@ def config_fingerprint(spec: Mapping[str, Any]) -> str:
         # By content where the shards are a published output: another cache or node resumes.
         "shards": data_identity(Path(spec["shards_dir"])),
     }
+    if "warm_start" in spec:  # which rows start afresh (the parent is in the resume key)
+        warm = spec["warm_start"]
+        payload["warm_start"] = {"old_sizes": warm["old_sizes"], "reset": warm["reset_rows"]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

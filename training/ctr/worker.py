@@ -61,6 +61,7 @@ import deepspeed.comm as dist
 import torch
 import torch.nn.functional as F
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from artifacts.checkpoints import CheckpointCorrupt, CheckpointStore
@@ -68,7 +69,13 @@ from artifacts.errors import ConfigError
 from training.config import TrainConfig
 from training.ctr.consolidate import TABLE_NAME, table_chunks
 from training.ctr.data import Batch, load_dataset_meta
-from training.ctr.embedding import ShardedEmbedding, init_rows, reshard_state, table_offsets
+from training.ctr.embedding import (
+    ShardedEmbedding,
+    init_rows,
+    reshard_state,
+    table_offsets,
+    warm_start_state,
+)
 from training.ctr.model import build_arch, build_model
 from training.ctr.reader import ShardReader
 from training.ctr.train import PHASES, TRAIN_SPLIT
@@ -353,6 +360,9 @@ def run(spec: dict[str, Any]) -> None:
     rank, world_size = _start_rank(spec, config)
     startup.lap("rendezvous")
     module, store = _build_modules(spec, config, rank, world_size)
+    if spec.get("warm_start") is not None and store is not None:
+        # A retry's resume checkpoint (loaded below) replaces all of this.
+        warm_start(spec["warm_start"], config, module, store, rank, world_size)
     startup.lap("table_init")
     engine, resume_store, resume_point = _initialize_engine(spec, config, module)
     preemption = (
@@ -465,6 +475,62 @@ def _build_modules(
         max_grad_norm=config.grad_clip,
     )
     return module, store
+
+
+def warm_start(
+    warm: dict[str, Any],
+    config: TrainConfig,
+    module: torch.nn.Module,
+    store: ShardedEmbedding,
+    rank: int,
+    world_size: int,
+) -> None:
+    """Every rank, before DeepSpeed wraps `module`: start from a parent model (train.init).
+
+    The dense weights (`CTRArch`: MLPs, interaction, heads, default rows) are the parent's
+    `model.safetensors` `arch.*` tensors, read lazily by name (never the table, never a
+    pickle); DeepSpeed then partitions or casts them as this run's config says. The
+    table's rows, their sparse optimizer state and admission counts come from the parent's
+    final sparse shards (any world size) mapped through the id changes
+    (`warm_start_state`): kept rows carry over, new and reused rows start afresh. The dense
+    optimizer (AdamW), the learning-rate schedule and the step counters start fresh.
+
+    Raises:
+        ConfigError: The parent's dense tensors do not fit this model (another
+            architecture): names the first mismatch.
+    """
+    with safe_open(warm["weights"], framework="pt") as weights:
+        dense = {
+            name.removeprefix("arch."): weights.get_tensor(name)
+            for name in weights.keys()  # noqa: SIM118 (safe_open has no __iter__)
+            if name.startswith("arch.")
+        }
+    ours = module.state_dict()
+    for name, tensor in ours.items():
+        if name not in dense or dense[name].shape != tensor.shape:
+            found = tuple(dense[name].shape) if name in dense else "missing"
+            raise ConfigError(
+                f"train.init: the parent model's {name} is {found}, this model's "
+                f"{tuple(tensor.shape)}; a warm start keeps the architecture (train."
+                "bottom_mlp, top_mlp, embedding_dim, interaction): unset train.init to change it"
+            )
+    module.load_state_dict({name: dense[name] for name in ours})
+    old_world = int(warm["world_size"])
+    shards = [
+        load_file(str(Path(warm["checkpoint"]) / sparse_file(r, old_world)))
+        for r in range(old_world)
+    ]
+    state = warm_start_state(
+        shards,
+        list(warm["old_sizes"]),
+        list(store.table_sizes),
+        [list(rows) for rows in warm["reset_rows"]],
+        config.embedding_dim,
+        config.seed,
+        rank,
+        world_size,
+    )
+    store.load_state_dict(state)
 
 
 def _initialize_engine(

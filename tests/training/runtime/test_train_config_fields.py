@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
+import tasks.incremental
 import tasks.train
 import tasks.train_nodes
 import training.ctr.worker
@@ -89,6 +90,7 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "world_size": ({}, {"world_size": 4}),
     "seed": ({}, {"seed": 1}),
     "log_every": ({}, {"log_every": 5}),
+    "init": ({}, {"init": "champion"}),
     "eval_every_epochs": ({}, {"eval_every_epochs": 0.5}),
     # Validation settings mean something only with validation on.
     "patience": ({"eval_every_epochs": 1}, {"patience": 2}),
@@ -143,6 +145,8 @@ CTR_ONLY = {
     "prefetch_batches",
     # Needs fp16, which the pipeline engine does not train in.
     "loss_scale",
+    # A warm start maps CTR tables' rows; sequence models cannot warm-start yet.
+    "init",
 }
 SEQUENCE_ONLY = {
     "sequence",
@@ -235,6 +239,13 @@ def test_a_field_reaches_the_ranks_or_is_refused(
             for module in (tasks.train, training.stages, tasks.train_nodes)
         )
         assert f"config.{read.get(field, field)}" in sources, f"train.{field} is read by nobody"
+        return
+    if field == "init":
+        # Resolved by the pipeline (tasks.incremental) into a parent model, which keys the
+        # train stage and reaches the ranks as the plan's warm start (test_warm_start.py).
+        assert what_ranks_see(plan(config)) == what_ranks_see(plan(base))
+        assert config.fingerprinted() == base.fingerprinted()
+        assert "config.train.init" in inspect.getsource(tasks.incremental)
         return
     if field == "memory_per_rank_gb":
         with pytest.raises(ConfigError, match="train.memory_per_rank_gb"):
