@@ -78,6 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(with their own credentials), and ingest.path must be a URL they can read",
     )
 
+    backfill = commands.add_parser(
+        "backfill",
+        help="run the pipeline for each day from --from to --to, in order; stop at a failure",
+    )
+    backfill.add_argument("config", help="pipeline YAML")
+    backfill.add_argument("--from", dest="first", required=True, metavar="YYYY-MM-DD")
+    backfill.add_argument("--to", dest="last", required=True, metavar="YYYY-MM-DD")
+    backfill.add_argument("--root", default=DEFAULT_ROOT, help="artifact store root")
+    backfill.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field on every day; {scheduled_date} is the day "
+        "(default partition: --set ingest.partition=dt={scheduled_date})",
+    )
     generate = commands.add_parser("generate", help="write the synthetic default dataset")
     generate.add_argument("config", help="pipeline YAML with a `generate` section")
     generate.add_argument(
@@ -188,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "backfill":
+            return _backfill(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "deploy":
@@ -286,6 +305,31 @@ def _run(args: argparse.Namespace) -> int:
     print(f"metrics: {metrics}")
     print(f"model: {record['model']}")
     print(path)
+    return 0
+
+
+def _backfill(args: argparse.Namespace) -> int:
+    """`recforge backfill`: one pipeline run per day; prints each day's outcome."""
+    from artifacts.locations import read_text_or_none
+    from flows.config import backfill_days, backfill_overrides, load_config
+
+    days = backfill_days(args.first, args.last)
+    load_config(args.config, backfill_overrides(args.overrides, days[0]))
+    check_root(args.root)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    from flows.pipeline import backfill
+
+    records = backfill(args.config, args.first, args.last, args.root, args.overrides)
+    for day, path in zip(days, records, strict=True):
+        record = json.loads(read_text_or_none(path) or "{}")
+        auc = record.get("metrics", {}).get("auc")
+        print(
+            f"{day.date()}: {record.get('status')}, "
+            f"{record.get('promotion', {}).get('status', 'no gate')}, "
+            f"auc={auc if auc is None else round(auc, 4)}, model={record.get('model')}"
+        )
+    for path in records:
+        print(path)
     return 0
 
 

@@ -98,6 +98,50 @@ def expand_schedule(overrides: list[str], scheduled: datetime.datetime) -> list[
     return [_SCHEDULE_TOKEN.sub(date_of, override) for override in overrides]
 
 
+# The most days one backfill runs (a year): a typo in a date should not queue a decade.
+MAX_BACKFILL_DAYS = 366
+# The partition a backfill names when its overrides name none.
+DEFAULT_PARTITION = "ingest.partition=dt={scheduled_date}"
+
+
+def backfill_days(first: str, last: str) -> list[datetime.datetime]:
+    """Every UTC day from `first` to `last` (YYYY-MM-DD, both included), as midnights.
+
+    Raises:
+        ConfigError: A date is not YYYY-MM-DD, `last` is before `first`, or the range is
+            longer than `MAX_BACKFILL_DAYS`.
+    """
+    try:
+        start = datetime.date.fromisoformat(first)
+        end = datetime.date.fromisoformat(last)
+    except ValueError:
+        raise ConfigError(
+            f"backfill --from {first[:40]!r} --to {last[:40]!r}: dates are YYYY-MM-DD"
+        ) from None
+    if end < start:
+        raise ConfigError(f"backfill --to {last} is before --from {first}; swap them")
+    count = (end - start).days + 1
+    if count > MAX_BACKFILL_DAYS:
+        raise ConfigError(
+            f"backfill --from {first} --to {last} is {count} days; at most "
+            f"{MAX_BACKFILL_DAYS} per backfill: split the range"
+        )
+    return [
+        datetime.datetime.combine(start + datetime.timedelta(days=i), datetime.time(), datetime.UTC)
+        for i in range(count)
+    ]
+
+
+def backfill_overrides(overrides: list[str], day: datetime.datetime) -> list[str]:
+    """One backfill day's overrides: the schedule tokens as that day, and its partition.
+
+    Overrides that name no `ingest.partition` get `ingest.partition=dt={scheduled_date}`.
+    """
+    if not any(o.split("=", 1)[0].strip() == "ingest.partition" for o in overrides):
+        overrides = [*overrides, DEFAULT_PARTITION]
+    return expand_schedule(overrides, day)
+
+
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
     """Read, override and validate a pipeline config.
 

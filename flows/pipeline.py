@@ -27,11 +27,17 @@ from prefect.flow_runs import pause_flow_run
 from prefect.input import RunInput
 from pydantic import BaseModel, Field
 
-from artifacts.errors import ConfigError, StoreUnreachable
+from artifacts.errors import ConfigError, RecforgeError, StoreUnreachable
 from artifacts.lease import RunLease
 from artifacts.locations import backend_errors, is_remote
 from artifacts.store import DEFAULT_ROOT, STAGES, ArtifactStore, Stage
-from flows.config import PipelineConfig, expand_schedule, load_config
+from flows.config import (
+    PipelineConfig,
+    backfill_days,
+    backfill_overrides,
+    expand_schedule,
+    load_config,
+)
 from flows.deploy import check_deployment_defaults, check_deployment_run
 from tasks.common import Mode, StageOutput
 from tasks.evaluate import evaluate_task
@@ -200,6 +206,61 @@ def rerun(
         overrides=expand_schedule(overrides or [], _scheduled_time()),
     )
     return run_pipeline(params)
+
+
+class BackfillStopped(RecforgeError):
+    """A backfill day failed; the days after it did not run."""
+
+
+@flow(name="recforge-backfill", log_prints=True)
+def backfill(
+    config: str,
+    first: str,
+    last: str,
+    root: str = DEFAULT_ROOT,
+    overrides: list[str] | None = None,
+) -> list[str]:
+    """Run the pipeline once per day from `first` to `last`, in order, each as a subflow.
+
+    Each day's overrides have `{scheduled_date}` set to that day, and name its partition
+    (`ingest.partition=dt=<day>` unless the overrides name one). With train.init, each
+    day warm-starts from the champion the days before it left: a day the gate rejects
+    does not advance the chain, and the next day starts from the champion still serving.
+    Days already done are all cache hits. The first day that fails stops the backfill.
+
+    Args:
+        config: Pipeline YAML.
+        first: The first day, YYYY-MM-DD (UTC).
+        last: The last day, included.
+        root: Artifact store root.
+        overrides: section.key=value config overrides of every day.
+
+    Returns:
+        The run record of each day, in order.
+
+    Raises:
+        ConfigError: The dates (`flows.config.backfill_days`), or the config.
+        BackfillStopped: A day failed: names it, its error and the command that goes on.
+    """
+    days = backfill_days(first, last)
+    load_config(config, backfill_overrides(overrides or [], days[0]))  # fail before day one
+    records: list[str] = []
+    for number, day in enumerate(days, start=1):
+        date = day.date().isoformat()
+        try:
+            records.append(
+                pipeline.with_options(flow_run_name=f"{Path(config).stem} {date}")(
+                    config=config, root=root, overrides=backfill_overrides(overrides or [], day)
+                )
+            )
+        except Exception as error:
+            raise BackfillStopped(
+                f"backfill stopped at {date} (day {number} of {len(days)}): "
+                f"{type(error).__name__}: {error}. Days before it are done; fix the cause and "
+                f"run `recforge backfill {config} --from {date} --to {last}` to go on"
+            ) from error
+        print(f"backfill {date}: {records[-1]}")
+    return records
 
 
 def run_pipeline(params: RunParams) -> str:

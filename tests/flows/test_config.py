@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from artifacts.errors import ConfigError
-from flows.config import expand_schedule, load_config
+from flows.config import backfill_days, backfill_overrides, expand_schedule, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,3 +118,22 @@ def test_schedule_tokens_name_the_scheduled_day_in_utc():
         expand_schedule(["ingest.partition=dt={scheduled_date-1d}"], late_evening_in_tokyo),
     )
     assert config.ingest.partition == "dt=2026-12-05"
+
+
+def test_backfill_days_are_checked_and_each_names_its_partition() -> None:
+    days = backfill_days("2026-12-30", "2027-01-02")
+    assert [d.date().isoformat() for d in days] == [
+        "2026-12-30", "2026-12-31", "2027-01-01", "2027-01-02",
+    ]  # fmt: skip
+    assert backfill_overrides(["train.lr=0.01"], days[2]) == [
+        "train.lr=0.01", "ingest.partition=dt=2027-01-01",
+    ]  # fmt: skip
+    named = ["ingest.partition=day_{scheduled_date-1d}"]
+    assert backfill_overrides(named, days[0]) == ["ingest.partition=day_2026-12-29"]
+    for first, last, match in [
+        ("2026-12-05", "2026-12-01", "before"),
+        ("2026-13-01", "2026-12-01", "YYYY-MM-DD"),
+        ("2020-01-01", "2026-01-01", "split the range"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            backfill_days(first, last)

@@ -4,7 +4,7 @@ Day 1 starts the chain (train.init: champion, no champion yet) and is promoted. 
 extends day 1's transform and warm-starts from it on another world size; the gate
 scores the champion on day 2's test rows through day 2's transform. Rerunning day 2 is
 all cache hits. A missing partition and an invalid one fail the day at the plan and
-leave the champion and its transform as they were.
+leave the champion and its transform as they were; a backfill stops at the first.
 """
 
 import json
@@ -16,7 +16,7 @@ from artifacts.errors import ConfigError, InputNotFoundError
 from artifacts.registry import Registry
 from data_prep.synthetic import GenerateConfig, generate_logs
 from flows.config import load_config
-from flows.pipeline import RunParams, pipeline
+from flows.pipeline import BackfillStopped, RunParams, backfill, pipeline
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -25,19 +25,21 @@ ANY = 'bless.thresholds={"auc": {"min_change": -1.0}}'
 pytestmark = pytest.mark.slow
 
 
+def chain(raw: Path) -> list[str]:
+    return [
+        f"ingest.path={raw}",
+        "train.init=champion",
+        "preprocess.ttl=2",
+        "preprocess.min_count=1",
+        ANY,
+    ]
+
+
 def run_day(root: Path, raw: Path, day: str, *overrides: str) -> dict:
     params = RunParams(
         config=TINY,
         root=str(root),
-        overrides=[
-            f"ingest.path={raw}",
-            f"ingest.partition=dt={day}",
-            "train.init=champion",
-            "preprocess.ttl=2",
-            "preprocess.min_count=1",
-            ANY,
-            *overrides,
-        ],
+        overrides=[*chain(raw), f"ingest.partition=dt={day}", *overrides],
     )
     return json.loads(Path(pipeline(**params.model_dump())).read_text())
 
@@ -67,7 +69,9 @@ def test_a_chain_of_days_warm_starts_from_the_champion(prefect_server, tmp_path:
     day1 = Path(first["model"]).name
     day1_transform = json.loads((registry.path(day1) / "transform.json").read_text())
 
-    second = run_day(root, raw, days[1])  # tiny trains on 2 ranks: another world size
+    # Day 2 by the backfill flow; tiny trains on 2 ranks: another world size.
+    (path,) = backfill(TINY, days[1], days[1], str(root), chain(raw))
+    second = json.loads(Path(path).read_text())
     assert second["status"] == "completed"
     assert second["lineage"] == {"parent": day1, "partitions": [f"dt={d}" for d in days[:2]]}
     day2 = Path(second["model"]).name
@@ -94,8 +98,10 @@ def test_a_chain_of_days_warm_starts_from_the_champion(prefect_server, tmp_path:
 
     champion = registry.champion()
     champion_transform = (registry.path(champion) / "transform.json").read_bytes()
-    with pytest.raises(InputNotFoundError, match="dt=2099-01-01"):
-        run_day(root, raw, "2099-01-01")
+    with pytest.raises(BackfillStopped, match=r"stopped at 2099-01-01 \(day 1 of 2\)") as stop:
+        backfill(TINY, "2099-01-01", "2099-01-02", str(root), chain(raw))
+    assert isinstance(stop.value.__cause__, InputNotFoundError)
+    assert "dt=2099-01-01" in str(stop.value)
     with pytest.raises(ConfigError, match="partition"):
         run_day(root, raw, "../" + days[2])
     assert registry.champion() == champion
