@@ -80,6 +80,10 @@ def test_a_chain_of_days_warm_starts_from_the_champion(prefect_server, tmp_path:
     assert lineage["parent"] == day1 and lineage["train"] == second["stages"]["train"][
         "fingerprint"
     ]
+    summary = Path(second["stages"]["train"]["output"]) / "train_summary.json"
+    warm = json.loads(summary.read_text())["warm_start"]
+    # Day 1's ZeRO-2 optimizer state, written on 1 rank, loaded on 2 as a universal one.
+    assert warm["parent_world_size"] == 1 and warm["dense_optimizer"] == "carried (universal)"
     transform = json.loads((package / "transform.json").read_text())
     # Known ids kept their rows: every live id of day 1 that is still live has its slot.
     items_then = day1_transform["sparse"]["item_id"]["values"]

@@ -43,6 +43,7 @@ from training.runtime.files import (
     CHECKPOINT_DIR,
     CHECKPOINT_TAG,
     MODEL_CONFIG_FILE,
+    TRAIN_CONFIG_FILE,
     WEIGHTS_FILE,
     data_identity,
 )
@@ -135,8 +136,13 @@ def warm_start_spec(
                 "(--from preprocess)"
             )
     changes = transform.get("changes", {})
+    parent_train = json.loads((parent_dir / TRAIN_CONFIG_FILE).read_text())
     return {
         "weights": str(parent_dir / WEIGHTS_FILE),
+        # DeepSpeed's checkpoint of the dense part: its optimizer state carries over when
+        # the parent trained with the same ZeRO stage and precision.
+        "zero_stage": int(parent_train.get("zero_stage", 0)),
+        "precision": str(parent_train.get("precision", "fp32")),
         "checkpoint": str(parent_dir / CHECKPOINT_DIR / CHECKPOINT_TAG),
         "world_size": int(parent_world_size),
         "old_sizes": old_sizes,

@@ -66,6 +66,7 @@ from safetensors.torch import load_file, save_file
 
 from artifacts.checkpoints import CheckpointCorrupt, CheckpointStore
 from artifacts.errors import ConfigError
+from artifacts.store import check_output_dir
 from training.config import TrainConfig
 from training.ctr.consolidate import TABLE_NAME, table_chunks
 from training.ctr.data import Batch, load_dataset_meta
@@ -105,6 +106,7 @@ from training.runtime.rank import (
     DENSE_TAG,
     Preemption,
     ResumePoint,
+    convert_to_universal,
     find_resume_point,
     gather_rss_mb,
     open_tensorboard,
@@ -364,7 +366,7 @@ def run(spec: dict[str, Any]) -> None:
         # A retry's resume checkpoint (loaded below) replaces all of this.
         warm_start(spec["warm_start"], config, module, store, rank, world_size)
     startup.lap("table_init")
-    engine, resume_store, resume_point = _initialize_engine(spec, config, module)
+    engine, resume_store, resume_point, warm_note = _initialize_engine(spec, config, module)
     preemption = (
         Preemption(engine.device, config.checkpoint_every_s) if resume_store is not None else None
     )
@@ -411,7 +413,17 @@ def run(spec: dict[str, Any]) -> None:
         spec.get("chaos", {}).get("consolidation_chunk_rows"),
     )
     if on_rank0:
-        _write_summary(out_dir, config, counters, reader, seconds, world_size, startup.laps)
+        warm = spec.get("warm_start")
+        _write_summary(
+            out_dir, config, counters, reader, seconds, world_size, startup.laps,
+            None if warm is None else {
+                "parent_world_size": warm["world_size"],
+                "reset_rows": sum(len(rows) for rows in warm["reset_rows"]),
+                "new_rows": sum(store.table_sizes) - sum(warm["old_sizes"]) if store else 0,
+                # None: a retry resumed from this run's own checkpoint instead.
+                "dense_optimizer": warm_note,
+            },
+        )  # fmt: skip
     if log_file is not None:
         log_file.close()
     if writer is not None:
@@ -492,13 +504,25 @@ def warm_start(
     pickle); DeepSpeed then partitions or casts them as this run's config says. The
     table's rows, their sparse optimizer state and admission counts come from the parent's
     final sparse shards (any world size) mapped through the id changes
-    (`warm_start_state`): kept rows carry over, new and reused rows start afresh. The dense
-    optimizer (AdamW), the learning-rate schedule and the step counters start fresh.
+    (`warm_start_state`): kept rows carry over, new and reused rows start afresh. The
+    dense optimizer state follows when the engine is built (`_initialize_engine`); the
+    learning-rate schedule and the step counters start fresh.
 
     Raises:
         ConfigError: The parent's dense tensors do not fit this model (another
             architecture): names the first mismatch.
+        CheckpointCorrupt: The parent's train output no longer matches its signed
+            manifest (rank 0 checks every file before any rank reads one).
     """
+    parent_dir = Path(warm["weights"]).parent
+    if rank == 0:
+        problem = check_output_dir(parent_dir)
+        if problem:
+            raise CheckpointCorrupt(
+                f"train.init: the parent's train output changed since it was verified: "
+                f"{problem}; nothing of it was loaded. Rerun to verify it again"
+            )
+    dist.barrier()  # verified before any rank opens a file of it
     with safe_open(warm["weights"], framework="pt") as weights:
         dense = {
             name.removeprefix("arch."): weights.get_tensor(name)
@@ -535,11 +559,13 @@ def warm_start(
 
 def _initialize_engine(
     spec: dict[str, Any], config: TrainConfig, module: torch.nn.Module
-) -> tuple[deepspeed.DeepSpeedEngine, CheckpointStore | None, ResumePoint | None]:
-    """The DeepSpeed engine, and with resume checkpoints on the resume store and point.
+) -> tuple[deepspeed.DeepSpeedEngine, CheckpointStore | None, ResumePoint | None, str | None]:
+    """The DeepSpeed engine, with resume checkpoints on the resume store and point, and
+    how a warm start's dense optimizer state was treated (None: no warm start).
 
     A checkpoint of another world size under ZeRO 1-3 loads as DeepSpeed's universal
-    checkpoint, which the engine must be told of when it is built.
+    checkpoint, which the engine must be told of when it is built. A warm start with no
+    resume point loads the parent's dense optimizer state (`_warm_dense`).
     """
     ds_config = spec["ds_config"]
     resume_store, resume_point = None, None
@@ -555,10 +581,46 @@ def _initialize_engine(
         )
         if resume_point is not None and resume_point.universal:
             ds_config = {**ds_config, "checkpoint": {"load_universal": True}}
+    warm = spec.get("warm_start") if resume_point is None else None
+    dense, note = _warm_dense(spec, config, warm) if warm is not None else (None, None)
+    if dense is not None and dense[2]:
+        ds_config = {**ds_config, "checkpoint": {"load_universal": True}}
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=module.parameters(), config=ds_config
     )
-    return engine, resume_store, resume_point
+    if dense is not None:
+        # DeepSpeed's loader unpickles: the parent's train output was verified against
+        # its signed manifest before the ranks started (tasks.incremental). Its weights
+        # are the parent's, already loaded; the schedule and step counters stay fresh.
+        engine.load_checkpoint(
+            dense[0], tag=dense[1], load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+    return engine, resume_store, resume_point, note
+
+
+def _warm_dense(
+    spec: dict[str, Any], config: TrainConfig, warm: dict[str, Any]
+) -> tuple[tuple[str, str, bool] | None, str]:
+    """Where the parent's dense optimizer state loads from: (dir, tag, universal), or
+    None when it cannot carry over, with the reason as the summary's note.
+
+    The same ZeRO stage and precision load the parent's checkpoint as DeepSpeed wrote
+    it; on another world size under ZeRO 1-3 rank 0 first converts it into DeepSpeed's
+    universal format under this run's checkpoint root (the parent's is never written).
+    """
+    if (warm["zero_stage"], warm["precision"]) != (config.zero_stage, config.precision):
+        return None, (
+            f"fresh: the parent trained with zero_stage {warm['zero_stage']} and "
+            f"{warm['precision']}, this run {config.zero_stage} and {config.precision}"
+        )
+    parent = Path(warm["checkpoint"])
+    if warm["world_size"] == config.world_size or config.zero_stage == 0:
+        return (str(parent.parent), parent.name, False), "carried"
+    universal = Path(spec["checkpoint_root"]) / "warm-start-universal"
+    if dist.get_rank() == 0 and not universal.is_dir():
+        convert_to_universal(parent, universal)
+    dist.barrier()  # the conversion is published
+    return (str(universal), DENSE_TAG, True), "carried (universal)"
 
 
 def _open_reader(
@@ -802,8 +864,9 @@ def _write_summary(
     seconds: float,
     world_size: int,
     startup_s: dict[str, float],
+    warm_start: dict[str, Any] | None = None,
 ) -> None:
-    """Rank 0: `train_summary.json`."""
+    """Rank 0: `train_summary.json` (`warm_start`: what a train.init run started from)."""
     samples = counters.micro_done * config.batch_size * world_size
     summary = {
         "final_loss": counters.final_loss,
@@ -822,6 +885,7 @@ def _write_summary(
         "resumed_from_world_size": counters.resumed_from_world_size,
         # Rank 0's seconds from its process start to the first step, by phase.
         "startup_s": startup_s,
+        **({"warm_start": warm_start} if warm_start is not None else {}),
     }
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -340,7 +340,7 @@ def find_resume_point(
         return ResumePoint(path, meta, path, universal=False)
     universal = store.root / "universal" / path.name
     if exchange.leads(rank) and not universal.is_dir():
-        _convert_to_universal(path / DENSE_TAG, universal)
+        convert_to_universal(path / DENSE_TAG, universal)
     dist.barrier()  # the conversion is published
     return ResumePoint(path, meta, universal, universal=True)
 
@@ -414,7 +414,7 @@ def _check_every_node_has(store: CheckpointStore, path: Path, leads: bool) -> No
         )
 
 
-def _convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
+def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
     """DeepSpeed's ds_to_universal into a staging directory, published by rename."""
     staging = out_dir.with_name(out_dir.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)

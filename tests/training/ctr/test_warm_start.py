@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from artifacts.errors import ConfigError
+from artifacts.errors import ConfigError, DataError
+from artifacts.store import ArtifactStore
 from training.config import TrainConfig
 from training.ctr.data import load_dataset_meta
 from training.ctr.train import train_model, warm_start_spec
@@ -32,6 +33,7 @@ CONFIG = {
 }
 GROWN = {"user_id": 131}  # 30 new user rows in the child's table
 RESET = {"user_id": [3, 7], "city": [2]}  # rows whose id changed: evicted or reused
+PARENT_FP = "b" * 64
 
 
 def free_port() -> int:
@@ -74,8 +76,12 @@ def test_a_warm_start_on_another_world_size_equals_one_on_the_same_after_a_step(
     module_shards: Path, tmp_path: Path
 ) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    parent = tmp_path / "parent"
-    train_model(config(2, max_steps=3), module_shards, parent, "cpu", free_port(), env)
+    # The parent is a published train output: the ranks verify it against its manifest.
+    store = ArtifactStore(tmp_path / "root")
+    staging = store.new_staging("train", PARENT_FP)
+    train_model(config(2, max_steps=3), module_shards, staging, "cpu", free_port(), env)
+    store.publish("train", PARENT_FP, staging, {})
+    parent = store.output_dir("train", PARENT_FP)
     child_shards = grown_shards(module_shards, tmp_path / "day2")
     transform = extending_transform(module_shards, tmp_path / "transform.json")
     warm = partial(warm_start_spec, parent, 2, transform)
@@ -88,6 +94,10 @@ def test_a_warm_start_on_another_world_size_equals_one_on_the_same_after_a_step(
             warm_start=warm,
         )  # fmt: skip
         outputs[world_size] = load_file(out / "model.safetensors")
+        summary = json.loads((out / "train_summary.json").read_text())
+        assert summary["warm_start"] == {
+            "parent_world_size": 2, "reset_rows": 3, "new_rows": 30, "dense_optimizer": "carried",
+        }  # fmt: skip
     same, other = outputs[2], outputs[1]
     assert same.keys() == other.keys()
     for name in same:
@@ -117,3 +127,14 @@ def test_a_warm_start_on_another_world_size_equals_one_on_the_same_after_a_step(
     other.write_text(json.dumps({"parent_sizes": {"user_id": 5}, "changes": {}}))
     with pytest.raises(ConfigError, match="user_id"):
         warm_start_spec(parent, 2, other, load_dataset_meta(child_shards))
+
+    # The attack: a writer to the store swaps the parent's DeepSpeed checkpoint (which
+    # DeepSpeed's loader unpickles) after the task verified it. Rank 0 checks the
+    # output against its signed manifest again before any rank opens a file.
+    tampered = next((parent / "checkpoints" / "final").glob("mp_rank_00_model_states.pt"))
+    tampered.write_bytes(tampered.read_bytes() + b"payload")
+    with pytest.raises(DataError, match="changed since it was verified"):
+        train_model(
+            config(2, max_steps=1), child_shards, tmp_path / "after-tamper", "cpu",
+            free_port(), env, warm_start=warm,
+        )  # fmt: skip
