@@ -61,12 +61,18 @@ def test_editing_any_module_of_the_closure_changes_the_code_version(
     modules = module_closure(f"tasks.{stage}", tmp_path)
     assert modules == module_closure(f"tasks.{stage}", REPO)
     before = code_version(modules, tmp_path)
-    for module in modules:
-        path = tmp_path / module
-        original = path.read_bytes()
-        path.write_bytes(original + b"\n# edited\n")
-        assert code_version(module_closure(f"tasks.{stage}", tmp_path), tmp_path) != before, module
-        path.write_bytes(original)
+    originals = {module: (tmp_path / module).read_bytes() for module in modules}
+    for module, original in originals.items():
+        (tmp_path / module).write_bytes(original + b"\n# edited\n")
+        assert code_version(modules, tmp_path) != before, module
+        (tmp_path / module).write_bytes(original)
+    # The closure is computed from the files as they are now: edited, it keeps them all.
+    for module, original in originals.items():
+        (tmp_path / module).write_bytes(original + b"\n# edited\n")
+    edited = module_closure(f"tasks.{stage}", tmp_path)
+    assert edited == modules and code_version(edited, tmp_path) != before
+    for module, original in originals.items():
+        (tmp_path / module).write_bytes(original)
     assert code_version(modules, tmp_path) == before
 
 
