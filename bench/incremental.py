@@ -13,8 +13,8 @@ ranks, evaluate, export, gate):
   either way);
 - **frozen**: the chain's day-1 model, never updated;
 - **full retrain**: a model trained from scratch on every day so far (one epoch over
-  days 1..d; its valid and test splits are the same last 20% of day d as the chain's,
-  so both train on the same rows up to day d's tail).
+  days 1..d; its valid and test splits are the same last 6% of day d as the chain's,
+  so both hold out the same tail of day d).
 
 Each day's three models are scored by their own exported packages (`score.py`, the raw
 records through each model's transform) on the whole next day, d + 1: AUC there is the
@@ -191,8 +191,8 @@ def main() -> None:
                     f"ingest.path={so_far}",
                     "train.init=null",
                     "preprocess.ttl=null",
-                    f"preprocess.valid_fraction={0.1 / number}",
-                    f"preprocess.test_fraction={0.1 / number}",
+                    f"preprocess.valid_fraction={base.preprocess.valid_fraction / number}",
+                    f"preprocess.test_fraction={base.preprocess.test_fraction / number}",
                     f"export.model_name=full-{number}",
                     *common(args),
                 ],

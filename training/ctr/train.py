@@ -97,7 +97,11 @@ def plan_total_steps(config: TrainConfig, meta: DatasetMeta) -> int:
 
 
 def warm_start_spec(
-    parent_dir: Path, parent_world_size: int, transform_path: Path, meta: DatasetMeta
+    parent_dir: Path,
+    parent_world_size: int,
+    transform_path: Path,
+    meta: DatasetMeta,
+    model_config: Mapping[str, Any],
 ) -> dict[str, Any]:
     """What the ranks need to warm-start from a parent model's train output.
 
@@ -111,12 +115,27 @@ def warm_start_spec(
         parent_world_size: The world size it was trained on (its sparse shard count).
         transform_path: This run's transform (an extension of the parent's).
         meta: This run's dataset description (feature order and sizes).
+        model_config: This run's model config (`model_config_from`).
 
     Raises:
         ConfigError: The parent's tables do not match the transform's record of them
-            (another parent, or another set of features).
+            (another parent, or another set of features), or the parent is another
+            architecture (named by its train fields), before anything is launched.
     """
     parent_config = json.loads((parent_dir / MODEL_CONFIG_FILE).read_text())
+    changed = [
+        key
+        for key in sorted(model_config.keys() - {"table_sizes"})
+        if parent_config.get(key) != model_config[key]
+    ]
+    if changed:
+        raise ConfigError(
+            f"train.init: the parent model in {parent_dir} has another "
+            + ", ".join(f"{key} ({parent_config.get(key)!r}, here {model_config[key]!r})"
+                        for key in changed)
+            + "; a warm start keeps the architecture (train.bottom_mlp, top_mlp, "
+            "embedding_dim, interaction, tasks, ...): unset train.init to change it"
+        )  # fmt: skip
     old_sizes = [int(size) for size in parent_config["table_sizes"]]
     transform = json.loads(transform_path.read_text())
     names = [feature.name for feature in (*meta.sparse, *meta.multi_hot)]
@@ -164,7 +183,7 @@ def train_model(
     checkpoint_root: Path | None = None,
     node: NodeLaunch | None = None,
     stop: threading.Event | None = None,
-    warm_start: Callable[[DatasetMeta], dict[str, Any]] | None = None,
+    warm_start: Callable[[DatasetMeta, dict[str, Any]], dict[str, Any]] | None = None,
 ) -> TrainResult | None:
     """Train a CTR model with `config.world_size` DeepSpeed ranks on this machine.
 
@@ -193,7 +212,7 @@ def train_model(
             NodeLaunch`); None: every rank on this machine.
         stop: Set by the caller to stop the ranks (another node of the run failed).
         warm_start: train.init: builds the ranks' warm start from this run's dataset
-            description (`warm_start_spec` with the parent bound).
+            description and model config (`warm_start_spec` with the parent bound).
 
     Returns:
         None for a node other than node 0 (node 0's ranks write the outputs); else
@@ -235,7 +254,7 @@ def plan_ctr_run(
     env: Mapping[str, str],
     memory_budget: tuple[int, str] | None = None,
     checkpoint_root: Path | None = None,
-    warm_start: Callable[[DatasetMeta], dict[str, Any]] | None = None,
+    warm_start: Callable[[DatasetMeta, dict[str, Any]], dict[str, Any]] | None = None,
 ) -> LaunchPlan:
     """Everything `train_model` decides before it launches: the launch spec and its parts.
 
@@ -291,7 +310,7 @@ def plan_ctr_run(
         ),
     }
     if warm_start is not None:
-        spec["warm_start"] = warm_start(meta)
+        spec["warm_start"] = warm_start(meta, model_config)
     spec["config_fingerprint"] = config_fingerprint(spec)
     spec["chaos"] = chaos_settings(env)
     return LaunchPlan(spec, model_config, memory_plan, root)

@@ -15,6 +15,7 @@ from artifacts.errors import ConfigError, DataError
 from artifacts.store import ArtifactStore
 from training.config import TrainConfig
 from training.ctr.data import load_dataset_meta
+from training.ctr.model import model_config_from
 from training.ctr.train import train_model, warm_start_spec
 
 pytestmark = pytest.mark.slow
@@ -117,16 +118,16 @@ def test_a_warm_start_on_another_world_size_equals_one_on_the_same_after_a_step(
             parent_tensor = load_file(parent / "model.safetensors")[name]
             assert (same[name] - parent_tensor).abs().max() < 0.05, name
 
-    # A parent of another architecture, or of other tables, is refused by name.
-    with pytest.raises(ConfigError, match="top_mlp"):
-        train_model(
-            config(1, max_steps=1, top_mlp=[32]), child_shards, tmp_path / "wider", "cpu",
-            free_port(), env, warm_start=warm,
-        )  # fmt: skip
+    # A parent of another architecture, or of other tables, is refused by name before
+    # anything is launched.
+    meta = load_dataset_meta(child_shards)
+    wider = model_config_from(config(1, top_mlp=[32]), meta)
+    with pytest.raises(ConfigError, match=r"top_mlp \(\[16\], here \[32\]\)"):
+        warm_start_spec(parent, 2, transform, meta, wider)
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"parent_sizes": {"user_id": 5}, "changes": {}}))
     with pytest.raises(ConfigError, match="user_id"):
-        warm_start_spec(parent, 2, other, load_dataset_meta(child_shards))
+        warm_start_spec(parent, 2, other, meta, model_config_from(config(1), meta))
 
     # The attack: a writer to the store swaps the parent's DeepSpeed checkpoint (which
     # DeepSpeed's loader unpickles) after the task verified it. Rank 0 checks the
