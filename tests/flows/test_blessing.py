@@ -103,20 +103,29 @@ def answer_when_paused(approve: bool, note: str, answered: list) -> threading.Th
     return thread
 
 
-@pytest.mark.parametrize("approve", [True, False], ids=["approved", "rejected"])
-def test_a_blessed_model_waits_for_approval(prefect_server, tmp_path: Path, approve: bool) -> None:
+def test_a_blessed_model_waits_for_approval(prefect_server, tmp_path: Path) -> None:
+    """Rejected, it stays out; the same run again (every stage cached) approved, it is in."""
     raw = tmp_path / "raw"
     generate_logs(load_config(TINY, [f"generate.out={raw}"]).generate)
     root = tmp_path / "artifacts"
-    answered: list = []
-    reviewer = answer_when_paused(approve, "looked at the card", answered)
-    record = run(root, raw, ANY, "bless.require_approval=true", "bless.approval_timeout_s=300")
+    registry = Registry(root, load_config(TINY).export.model_name)
+    overrides = (ANY, "bless.require_approval=true", "bless.approval_timeout_s=300")
+
+    rejected: list = []
+    reviewer = answer_when_paused(False, "not this one", rejected)
+    record = run(root, raw, *overrides)
     reviewer.join(timeout=10)
-    assert answered, "the flow never paused for approval"
-    champion = Registry(root, load_config(TINY).export.model_name).champion()
-    if approve:
-        assert record["promotion"]["status"] == "promoted"
-        assert record["promotion"]["approval"] == "looked at the card"
-        assert champion == Path(record["model"]).name
-    else:
-        assert record["promotion"]["status"] == "not_approved" and champion is None
+    assert rejected, "the flow never paused for approval"
+    assert record["promotion"]["status"] == "not_approved"
+    assert record["promotion"]["approval"] == "not this one"
+    assert registry.champion() is None
+
+    approved: list = []
+    reviewer = answer_when_paused(True, "looked at the card", approved)
+    again = run(root, raw, *overrides)
+    reviewer.join(timeout=10)
+    assert approved and approved != rejected, "the second run never paused for approval"
+    assert {stage["status"] for stage in again["stages"].values()} == {"cached"}
+    assert again["promotion"]["status"] == "promoted"
+    assert again["promotion"]["approval"] == "looked at the card"
+    assert registry.champion() == Path(again["model"]).name
