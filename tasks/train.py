@@ -24,7 +24,6 @@ from prefect.artifacts import (
 )
 
 from artifacts.checkpoint_mirror import CheckpointMirror, newest_checkpoint_meta
-from artifacts.errors import ConfigError
 from artifacts.locations import remove_tree
 from artifacts.store import ArtifactStore
 from tasks.common import (
@@ -120,11 +119,6 @@ def train_task(
             if parent is not None:
                 parent_train = parent.train_output(store)
                 warm = (local_dir(parent_train), int(parent_train.meta["world_size"]))
-                if launched.launcher == "per_node":
-                    raise ConfigError(
-                        "train.init with train.launcher: per_node is not supported yet (each "
-                        "node would need the parent's checkpoint); use launcher local or ssh"
-                    )
             if launched.launcher == "per_node":
                 nodes = PerNodeRun(
                     launched, shard, preprocess, store, key, dict(os.environ), logger, workers

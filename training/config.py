@@ -668,6 +668,12 @@ class TrainConfig(BaseModel):
                 "checkpoint has no per-row mapping (only CTR models, train.model: dlrm, do); "
                 "remove train.init to train it from scratch on the partition"
             )
+        if self.launcher == "per_node":
+            raise ValueError(
+                f"train.init={self.init!r} with train.launcher: per_node is not supported yet "
+                "(every node would need the parent's checkpoint); use launcher local or ssh, "
+                "or remove train.init"
+            )
         if self.embeddings != "sharded":
             raise ValueError(
                 "train.init needs train.embeddings: sharded (a warm start maps the sharded "

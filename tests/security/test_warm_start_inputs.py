@@ -103,6 +103,14 @@ def test_a_ui_supplied_init_is_a_plain_version_or_champion() -> None:
         with pytest.raises(ValidationError, match="train.init"):
             TrainConfig(init=hostile)
     assert TrainConfig(init="3f2a9c1e0b7d").init == "3f2a9c1e0b7d"
+    # What cannot warm-start is refused by name, before anything runs.
+    for unsupported, named in [
+        ({"model": "sasrec"}, "sasrec cannot warm-start"),
+        ({"embeddings": "dense"}, "embeddings: sharded"),
+        ({"launcher": "per_node", "world_size": 2}, "per_node"),
+    ]:
+        with pytest.raises(ValidationError, match=named):
+            TrainConfig(init="champion", **unsupported)
 
 
 def test_a_champion_without_lineage_or_chain_is_refused_by_name(tmp_path: Path) -> None:
