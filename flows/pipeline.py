@@ -294,7 +294,7 @@ def _run_leased(params: RunParams, store: ArtifactStore, run_id: str, lease: Run
         except (*backend_errors(), OSError):
             leased = False  # a missing bucket or refused credentials: the plan names them
         # train.init: the model this run warm-starts from, verified (it keys the plan).
-        parent = parent_task(config, store)
+        parent = parent_task(config, store) if config.train.init is not None else None
         plans = plan_task(config, plan_modes(params), store, parent)
         if not leased:
             lease.start()  # the store answered the plan: now the run must hold its lease

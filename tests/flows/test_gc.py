@@ -315,12 +315,12 @@ def test_gc_during_a_running_flow_deletes_nothing_the_run_uses(
     gc = partial(collect_garbage, root, keep_runs=0, older_than_s=0, stale_after_s=stale)
     seen: dict[str, object] = {}
 
-    def plan(config, modes, store) -> list[StagePlan]:
+    def plan(config, modes, store, parent=None) -> list[StagePlan]:
         # The lease is written, the plan not yet known: gc keeps every stage output.
         seen["before plan"] = gc(dry_run=True)
         return [StagePlan(s, modes[s], "cached", planned[s], "test") for s in STAGES]
 
-    def stages(config, plans, store, outputs) -> None:
+    def stages(config, plans, store, outputs, parent=None) -> None:
         (lease,) = [r for r in files(store) if r.startswith("leases/") and r.endswith(".json")]
         record = loads_verified(_read(store, lease), lease)  # signed by the run key
         assert record["fingerprints"] == sorted(planned.values())
