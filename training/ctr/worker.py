@@ -590,7 +590,7 @@ def _initialize_engine(
     )
     if dense is not None:
         # DeepSpeed's loader unpickles: the parent's train output was verified against
-        # its signed manifest before the ranks started (tasks.incremental). Its weights
+        # its signed manifest by the task and again by rank 0 (`warm_start`). Its weights
         # are the parent's, already loaded; the schedule and step counters stay fresh.
         engine.load_checkpoint(
             dense[0], tag=dense[1], load_optimizer_states=True, load_lr_scheduler_states=False
