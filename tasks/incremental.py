@@ -4,9 +4,11 @@ A daily run names its partition (`ingest.partition`) and, with `train.init: cham
 (or a registry version), warm-starts from that model. The parent is resolved once, at
 the plan, and everything downstream is keyed by it: preprocess extends the parent's
 fitted transform instead of refitting (`data_prep.idmap`), train starts from the
-parent's weights and sparse optimizer state (`training.stages.train_launch`), and the export
+parent's weights and optimizer state (`training.stages.train_launch`), and the export
 writes `lineage.json` (parent version, partitions seen, the stage outputs it was made
-from) into the package, which is how the next day finds this model's train output.
+from) into the package, which is how the next day finds this model's train output. A
+model that has already seen the run's partition is not its parent: the lineage is
+walked back to the model before it, so a finished day runs again as cache hits.
 
 Nothing here trusts the bucket: the package is verified against its signed manifest
 (`Registry.verify`), the parent's train output against its own (`ArtifactStore.verify`),
