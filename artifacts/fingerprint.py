@@ -31,6 +31,9 @@ def fingerprint(stage: str, section: dict, inputs: list[str], code: str) -> str:
 
 
 # The first-party packages: a stage's code is the closure of their modules it imports.
+# A stage output's fingerprint, as stored names carry it (sha256 hex).
+FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+
 FIRST_PARTY = ("artifacts", "data_prep", "training", "tasks")
 
 

@@ -73,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from artifacts.errors import ConfigError, InputNotFoundError
+from artifacts.fingerprint import FINGERPRINT
 from artifacts.lease import LEASES, STALE_AFTER_S
 from artifacts.locations import (
     UnsafeName,
@@ -105,7 +106,6 @@ _TOPS = ("runs", "stages", "checkpoints", "nodes", "failed", "leases", "latest",
 _STAGING = (".staging-", ".trash-")
 # What gc renames a directory to before deleting it (readers see it gone at once).
 _TOMB = ".gc-"
-_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 _KEY = re.compile(r"[0-9a-f]{16,64}")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -477,7 +477,7 @@ class _Collector:
                 versions |= self._champion_names(rel)
             elif parts[0] == "latest" and len(parts) == 3 and parts[2][:-5] in STAGES:
                 # A hint, signed or not: every fingerprint in it is kept (keeping more).
-                pointed |= set(_FINGERPRINT.findall(self._read(rel) or ""))
+                pointed |= set(FINGERPRINT.findall(self._read(rel) or ""))
         return versions, pointed
 
     def _champion_names(self, rel: str) -> set[str]:
@@ -644,7 +644,7 @@ def _classify(parts: list[str], remote: bool) -> tuple[str, str, str, bool] | No
     if top == "stages" and size >= 3 and parts[1] in STAGES:
         if parts[2].startswith(_STAGING):
             return "staging", "/".join(parts[:3]), "", False
-        if _FINGERPRINT.fullmatch(parts[2]):
+        if FINGERPRINT.fullmatch(parts[2]):
             return "stage outputs", "/".join(parts[:3]), parts[2], False
         return None
     if top in ("checkpoints", "nodes") and size >= 3 and parts[1] == "train":
@@ -691,7 +691,7 @@ def _record_names(text: str, where: str, location: str) -> tuple[str | None, set
         if not isinstance(stages, dict):
             raise SignatureError(f"{where} has no stages")
     except SignatureError:
-        return None, set(_FINGERPRINT.findall(text))
+        return None, set(FINGERPRINT.findall(text))
     names = {
         info["fingerprint"]
         for info in stages.values()

@@ -62,6 +62,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
+from artifacts.registry import Registry  # noqa: E402
 from data_prep.synthetic import GenerateConfig, generate_logs  # noqa: E402
 from flows.config import load_config  # noqa: E402
 from flows.pipeline import RunParams, pipeline  # noqa: E402
@@ -176,8 +177,8 @@ def main() -> None:
                     *common(args),
                 ],
             )
-            champion = json.loads((root / "registry" / "incremental" / "CHAMPION").read_text())
-            champion_package = root / "registry" / "incremental" / champion["version"]
+            registry = Registry(root, "incremental")
+            champion_package = registry.path(registry.champion())
             frozen = frozen or champion_package
             # Days 1..d side by side (hard links), cut at the same tail of day d.
             so_far = work / f"so-far-{number}"

@@ -28,6 +28,7 @@ from prefect import get_run_logger, task
 from pydantic import BaseModel
 
 from artifacts.errors import ConfigError, CorruptOutput, InputNotFoundError
+from artifacts.fingerprint import FINGERPRINT
 from artifacts.registry import Registry, check_version
 from artifacts.store import ArtifactStore
 from data_prep.idmap import transform_digest
@@ -35,8 +36,6 @@ from tasks.common import StageOutput, load_run_key, task_options
 
 LINEAGE = "lineage.json"
 TRANSFORM = "transform.json"
-# The fingerprint of a stage output is sha256 hex.
-_FINGERPRINT_CHARS = frozenset("0123456789abcdef")
 # How far back the lineage is walked to find the model before a partition.
 _MAX_CHAIN = 10_000
 
@@ -144,7 +143,7 @@ def _verified_parent(registry: Registry, version: str) -> tuple[Parent, str | No
         )
     lineage = json.loads((package / LINEAGE).read_text())
     train = lineage.get("train")
-    if not isinstance(train, str) or len(train) != 64 or not set(train) <= _FINGERPRINT_CHARS:
+    if not isinstance(train, str) or not FINGERPRINT.fullmatch(train):
         raise CorruptOutput(f"{where}: {LINEAGE} 'train' is not a stage fingerprint")
     grandparent = lineage.get("parent")
     if grandparent is not None:
@@ -189,8 +188,6 @@ def train_section(config: Any, parent: Parent | None) -> dict[str, Any]:
 @task(name="parent", task_run_name="parent", **task_options(retries=0))
 def parent_task(config: Any, store: ArtifactStore) -> Parent | None:
     """`resolve_parent`, logged: which model this run warm-starts from, if any."""
-    if config.train.init is None:
-        return None
     load_run_key(store)
     store.check_reachable()
     parent = resolve_parent(config, store)

@@ -362,6 +362,38 @@ def load_model(train_dir: Path) -> tuple[CTRModel, dict[str, Any]]:
     return model.float().eval(), model_config
 
 
+def extension_resets(
+    old_sizes: list[int], transform: dict, meta: DatasetMeta
+) -> list[list[int]]:
+    """Per table (the shards' order), the rows an extended transform reset, after checking
+    that it extends tables of `old_sizes` into the shards' (`data_prep.idmap`).
+
+    Args:
+        old_sizes: The parent model's rows per table.
+        transform: The extending transform (with `parent_sizes` and `changes`).
+        meta: The shards' description under that transform.
+
+    Raises:
+        ValueError: It extends other tables (another parent, other features): names the
+            feature.
+    """
+    names = [feature.name for feature in (*meta.sparse, *meta.multi_hot)]
+    recorded = transform.get("parent_sizes")
+    if recorded is None or len(old_sizes) != len(names):
+        raise ValueError(
+            "the transform extends no model with these tables (its features or vocabularies "
+            "differ)"
+        )
+    for name, old, new in zip(names, old_sizes, meta.table_sizes, strict=True):
+        if recorded.get(name, old) != old or new < old:
+            raise ValueError(
+                f"feature {name!r} has {old} rows in the parent, but the transform extends a "
+                f"table of {recorded.get(name)} rows into {new}"
+            )
+    changes = transform.get("changes", {})
+    return [list(changes.get(name, {}).get("reset_rows", [])) for name in names]
+
+
 def lay_onto_transform(
     package: Path, transform: dict, meta: DatasetMeta, out_dir: Path
 ) -> Path:
@@ -385,28 +417,19 @@ def lay_onto_transform(
         `out_dir`.
 
     Raises:
-        ValueError: The transform does not extend a table of the parent's sizes.
+        ValueError: The transform does not extend the parent's tables (`extension_resets`).
     """
     model_config, _, weights_path = read_model_files(package)
     weights = load_file(weights_path)
     old_sizes = [int(size) for size in model_config["table_sizes"]]
-    names = [feature.name for feature in (*meta.sparse, *meta.multi_hot)]
-    recorded = transform.get("parent_sizes", {})
-    if len(names) != len(old_sizes) or any(
-        recorded.get(name, old) != old for name, old in zip(names, old_sizes, strict=True)
-    ):
-        raise ValueError(f"the transform does not extend the tables of {package}")
-    new_sizes = meta.table_sizes
-    if any(new < old for new, old in zip(new_sizes, old_sizes, strict=True)):
-        raise ValueError(f"the shards' tables are smaller than those of {package}")
+    resets = extension_resets(old_sizes, transform, meta)
     table = weights[TABLE_NAME]
     old_offsets = table_offsets(old_sizes)
     parts = []
-    for f, name in enumerate(names):
+    for f, (new_size, reset) in enumerate(zip(meta.table_sizes, resets, strict=True)):
         rows = table[old_offsets[f] : old_offsets[f + 1]]
-        part = rows[0:1].expand(new_sizes[f], -1).clone()  # unknown ids: the OOV row
+        part = rows[0:1].expand(new_size, -1).clone()  # unknown ids: the OOV row
         part[: old_sizes[f]] = rows
-        reset = transform.get("changes", {}).get(name, {}).get("reset_rows", [])
         if reset:
             part[torch.tensor(reset, dtype=torch.int64)] = rows[0]
         parts.append(part)
@@ -414,6 +437,6 @@ def lay_onto_transform(
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out_dir / weights_path.name))
     (out_dir / MODEL_CONFIG_FILE).write_text(
-        json.dumps({**model_config, "table_sizes": new_sizes}, indent=2) + "\n"
+        json.dumps({**model_config, "table_sizes": meta.table_sizes}, indent=2) + "\n"
     )
     return out_dir

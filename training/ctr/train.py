@@ -36,7 +36,7 @@ from artifacts.errors import ConfigError
 from training.config import TrainConfig
 from training.ctr.data import DatasetMeta, load_dataset_meta
 from training.ctr.memory import check_memory, plan_memory
-from training.ctr.model import build_arch, model_config_from
+from training.ctr.model import build_arch, extension_resets, model_config_from
 from training.ctr.reader import steps_per_epoch
 from training.runtime.deepspeed_config import build_deepspeed_config
 from training.runtime.files import (
@@ -137,24 +137,14 @@ def warm_start_spec(
             "embedding_dim, interaction, tasks, ...): unset train.init to change it"
         )  # fmt: skip
     old_sizes = [int(size) for size in parent_config["table_sizes"]]
-    transform = json.loads(transform_path.read_text())
-    names = [feature.name for feature in (*meta.sparse, *meta.multi_hot)]
-    recorded = transform.get("parent_sizes")
-    if recorded is None or len(old_sizes) != len(names):
+    try:
+        reset_rows = extension_resets(old_sizes, json.loads(transform_path.read_text()), meta)
+    except ValueError as error:
         raise ConfigError(
-            f"cannot warm-start from {parent_dir}: this run's transform does not extend "
-            "that model's (its features or vocabularies differ); unset train.init to start "
-            "a new chain"
-        )
-    for name, old, new in zip(names, old_sizes, meta.table_sizes, strict=True):
-        if recorded.get(name, old) != old or new < old:
-            raise ConfigError(
-                f"cannot warm-start from {parent_dir}: feature {name!r} has {old} rows there, "
-                f"but the transform extends a table of {recorded.get(name)} rows into {new}; "
-                "the preprocess output was made for another parent. Rerun preprocess "
-                "(--from preprocess)"
-            )
-    changes = transform.get("changes", {})
+            f"cannot warm-start from {parent_dir}: {error}. The preprocess output was made "
+            "for another parent: rerun preprocess (--from preprocess), or unset train.init "
+            "to start a new chain"
+        ) from error
     parent_train = json.loads((parent_dir / TRAIN_CONFIG_FILE).read_text())
     return {
         "weights": str(parent_dir / WEIGHTS_FILE),
@@ -165,7 +155,7 @@ def warm_start_spec(
         "checkpoint": str(parent_dir / CHECKPOINT_DIR / CHECKPOINT_TAG),
         "world_size": int(parent_world_size),
         "old_sizes": old_sizes,
-        "reset_rows": [list(changes.get(name, {}).get("reset_rows", [])) for name in names],
+        "reset_rows": reset_rows,
     }
 
 

@@ -419,7 +419,7 @@ def run(spec: dict[str, Any]) -> None:
             None if warm is None else {
                 "parent_world_size": warm["world_size"],
                 "reset_rows": sum(len(rows) for rows in warm["reset_rows"]),
-                "new_rows": sum(store.table_sizes) - sum(warm["old_sizes"]) if store else 0,
+                "new_rows": sum(spec["model_config"]["table_sizes"]) - sum(warm["old_sizes"]),
                 # None: a retry resumed from this run's own checkpoint instead.
                 "dense_optimizer": warm_note,
             },
@@ -509,8 +509,6 @@ def warm_start(
     learning-rate schedule and the step counters start fresh.
 
     Raises:
-        ConfigError: The parent's dense tensors do not fit this model (another
-            architecture): names the first mismatch.
         CheckpointCorrupt: The parent's train output no longer matches its signed
             manifest (rank 0 checks every file before any rank reads one).
     """
@@ -529,16 +527,8 @@ def warm_start(
             for name in weights.keys()  # noqa: SIM118 (safe_open has no __iter__)
             if name.startswith("arch.")
         }
-    ours = module.state_dict()
-    for name, tensor in ours.items():
-        if name not in dense or dense[name].shape != tensor.shape:
-            found = tuple(dense[name].shape) if name in dense else "missing"
-            raise ConfigError(
-                f"train.init: the parent model's {name} is {found}, this model's "
-                f"{tuple(tensor.shape)}; a warm start keeps the architecture (train."
-                "bottom_mlp, top_mlp, embedding_dim, interaction): unset train.init to change it"
-            )
-    module.load_state_dict({name: dense[name] for name in ours})
+    # The architecture was matched before launch (`warm_start_spec`); strict all the same.
+    module.load_state_dict(dense)
     old_world = int(warm["world_size"])
     shards = [
         load_file(str(Path(warm["checkpoint"]) / sparse_file(r, old_world)))
