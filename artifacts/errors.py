@@ -42,3 +42,9 @@ class StoreUnreachable(DeterministicError):
 
 class ConcurrentUpdate(DeterministicError):
     """A conditional write lost: someone else changed the object since it was read."""
+
+
+class SignatureError(DataError):
+    """A record read back from storage cannot be trusted: unsigned, signed with an unknown
+    key, forged, bound to another place, too large, or not parseable (`artifacts.signing`).
+    """

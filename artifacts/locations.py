@@ -25,7 +25,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from artifacts.errors import ConfigError, StoreUnreachable
+from artifacts.errors import ConfigError, SignatureError, StoreUnreachable
 
 # Where the local side of a remote store lives (see the module docstring).
 CACHE_DIR_ENV = "RECFORGE_CACHE_DIR"
@@ -120,8 +120,7 @@ def safe_join(root: Location, name: str, what: str) -> Location:
     joined = location.joinpath(*segments)
     if not joined.resolve().is_relative_to(location.resolve()):
         raise UnsafeName(
-            f"{what}: {name[:80]!r} resolves outside {location} (a symlink on the way); "
-            "refusing it"
+            f"{what}: {name[:80]!r} resolves outside {location} (a symlink on the way); refusing it"
         )
     return joined
 
@@ -374,18 +373,41 @@ def storage_errors(url: str) -> Iterator[None]:
         ) from err
 
 
-def read_text_or_none(location: str | Path) -> str | None:
-    """A small file's text (a manifest, a pointer, a record), or None when it is missing."""
-    if not is_remote(location):
-        try:
-            return Path(as_location(location)).read_text()
-        except FileNotFoundError:
-            return None
-    fs, path = filesystem(str(location))
+# The largest record (a manifest, a pointer, a run record) read back from storage, unless
+# the reader names its own cap: a stage manifest of 100k files is about 20 MB.
+MAX_RECORD_BYTES = 64 << 20
+
+
+def read_text_or_none(location: str | Path, limit: int = MAX_RECORD_BYTES) -> str | None:
+    """A small file's text (a manifest, a pointer, a record), or None when it is missing.
+
+    At most `limit` bytes are read: an object planted in the bucket cannot make a reader
+    hold gigabytes, and bytes that are not UTF-8 are an unreadable record, not a crash.
+
+    Raises:
+        SignatureError: The object is larger than `limit`, or is not UTF-8 text.
+    """
     try:
-        return fs.cat_file(path).decode()
+        if not is_remote(location):
+            with open(as_location(location), "rb") as handle:
+                data = handle.read(limit + 1)
+        else:
+            fs, path = filesystem(str(location))
+            # A ranged GET: the object's first limit + 1 bytes, never more.
+            data = fs.cat_file(path, start=0, end=limit + 1)
     except FileNotFoundError:
         return None
+    if len(data) > limit:
+        raise SignatureError(
+            f"{location} is larger than {limit} bytes, the cap for this kind of record: "
+            "recforge never wrote it; refusing to read it"
+        )
+    try:
+        return data.decode()
+    except UnicodeDecodeError as err:
+        raise SignatureError(
+            f"{location} is not UTF-8 text (byte {err.start}): recforge never wrote it; refusing it"
+        ) from err
 
 
 def upload_files(local_dir: Path, rels: list[str], url: str) -> dict[str, str | None]:

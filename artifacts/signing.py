@@ -25,6 +25,19 @@ Without any key a local root works as before, unsigned, with a one-line notice; 
 root refuses to start (`require_key`). With a key, an unsigned or wrongly signed record
 is refused wherever it is read: nothing it names is opened.
 
+A signature proves that a key holder wrote the bytes, not that they are the bytes meant
+for the place they were found: a signed manifest copied to another fingerprint would
+verify there too. So every signed record also says what it is and where it belongs, in
+its ``"place"`` field (`place`): a record type and the coordinates of its place (stage
+and fingerprint, model and version, run id, attempt and node). The field is covered by
+the signature, and every reader passes the place it read the record from: a relocated
+copy is refused naming both places (`MisplacedRecord`), and a record written before
+records were bound is refused by name with the command that rebuilds it.
+
+Reading is bounded: a record is read up to a size cap (`read_text_or_none`), and a
+record that does not parse for any reason (bad JSON, a 5,000-digit integer, deep
+nesting, bytes that are not UTF-8) is unverifiable (`SignatureError`), never a crash.
+
 Why by hand: hmac and hashlib are the standard library's; what is ours is only the
 canonical form (sorted keys, no whitespace, the signature field left out), which every
 writer and reader must agree on byte for byte.
@@ -41,13 +54,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from artifacts.errors import ConfigError, DataError
+# SignatureError lives in artifacts.errors (the bounded reader raises it too); readers
+# import it from here.
+from artifacts.errors import ConfigError, SignatureError  # noqa: F401
 
 KEY_ENV = "RECFORGE_SIGNING_KEY"
 KEY_FILE_ENV = "RECFORGE_SIGNING_KEY_FILE"
 KEY_BLOCK_ENV = "RECFORGE_SIGNING_KEY_BLOCK"
 RETIRED_ENV = "RECFORGE_SIGNING_KEYS_RETIRED"
 SIGNATURE = "signature"
+PLACE = "place"
 # Shorter secrets are refused: an HMAC key should carry at least 128 bits of entropy,
 # and a typed password of a few characters does not.
 MIN_KEY_CHARS = 32
@@ -63,8 +79,100 @@ HOW_TO_SET = (
 )
 
 
-class SignatureError(DataError):
-    """A record read back from storage is unsigned, signed with an unknown key, or forged."""
+class MisplacedRecord(SignatureError):
+    """A signed record found somewhere other than the place it was signed for, or one
+    that names no place (written before records were bound)."""
+
+
+# The record types and the coordinates of their places; `place` refuses any other.
+PLACES: dict[str, tuple[str, ...]] = {
+    "stage-output": ("stage", "fingerprint"),
+    "latest": ("pipeline", "name"),
+    "run-record": ("run_id",),
+    "lease": ("run_id",),
+    "package": ("model", "version"),
+    "champion": ("model",),
+    "history": ("model",),
+    "decision": ("model", "version"),
+    "champion-score": ("model", "version"),
+    "checkpoint": ("fingerprint", "step"),
+    "exchange-spec": ("attempt",),
+    "exchange-stop": ("attempt",),
+    "exchange-index": ("attempt", "node"),
+    "exchange-outcome": ("attempt", "node"),
+    "heartbeat": ("attempt", "node"),
+}
+
+# What rebuilds a record of each type, for the message that refuses an unbound one.
+REBUILD: dict[str, str] = {
+    "stage-output": "rerun the stage with `recforge run CONFIG --force STAGE`",
+    "latest": "the next `recforge run` of the pipeline writes it again",
+    "run-record": "it is a record of a past run; rerun the config to get a new one",
+    "lease": "the run that holds it writes it again while it is alive",
+    "package": "export the model again: `recforge run CONFIG --force export`",
+    "champion": "promote a version again: `recforge models --model NAME promote VERSION`",
+    "history": "promote a version again: `recforge models --model NAME promote VERSION`",
+    "decision": "run the gate again: `recforge run CONFIG --force evaluate`",
+    "champion-score": "it is scored again on the next run",
+    "checkpoint": "the training run writes a new checkpoint (or rerun with --force train)",
+    "exchange-spec": "rerun the train stage (--force train)",
+    "exchange-stop": "rerun the train stage (--force train)",
+    "exchange-index": "rerun the train stage (--force train)",
+    "exchange-outcome": "rerun the train stage (--force train)",
+    "heartbeat": "the node writes a new one while it is alive",
+}
+
+
+def place(kind: str, **where: Any) -> dict[str, str]:
+    """The place a record of type `kind` belongs to, e.g.
+    ``place("stage-output", stage="train", fingerprint=fp)``.
+
+    Every coordinate is kept as text, so a reader compares what it computed with what
+    was signed without caring whether a step or node was an int.
+
+    Raises:
+        ValueError: An unknown type, or not exactly that type's coordinates (a bug).
+    """
+    fields = PLACES.get(kind)
+    if fields is None or set(where) != set(fields):
+        raise ValueError(f"place({kind!r}, {sorted(where)}): expected the fields {fields}")
+    return {"type": kind, **{name: str(where[name]) for name in fields}}
+
+
+def describe_place(record_place: Any) -> str:
+    """A place as one short phrase for messages: ``stage-output stage=train fingerprint=ab12..``."""
+    if not isinstance(record_place, dict):
+        return "no place"
+    parts = [str(record_place.get("type", "?"))[:40]]
+    for name, value in record_place.items():
+        if name != "type":
+            text = str(value)
+            parts.append(f"{str(name)[:40]}={text[:16] + '..' if len(text) > 18 else text}")
+    return " ".join(parts)
+
+
+def check_place(record: dict[str, Any], where: str, expected: dict[str, str]) -> None:
+    """Refuse `record` unless it names `expected` as its place.
+
+    Raises:
+        MisplacedRecord: It names another place (a relocated copy: both are named), or
+            none at all (written before records were bound: the message says what
+            rebuilds it).
+    """
+    found = record.get(PLACE)
+    if found == expected:
+        return
+    if found is None:
+        raise MisplacedRecord(
+            f"{where} names no place, so it may have been copied from anywhere (recforge "
+            f"before records were bound to their place wrote it, or it was forged): refusing "
+            f"it. To rebuild it, {REBUILD.get(expected['type'], 'rerun the stage that writes it')}"
+        )
+    raise MisplacedRecord(
+        f"{where} is a relocated copy: it was signed for {describe_place(found)}, but was "
+        f"found at {describe_place(expected)}; refusing it (someone with write access to "
+        "the bucket copied it there)"
+    )
 
 
 @dataclass(frozen=True)
@@ -156,31 +264,55 @@ def digest(secret: bytes, record: dict[str, Any]) -> str:
     return hmac.new(secret, canonical(record), hashlib.sha256).hexdigest()
 
 
-def sign(record: dict[str, Any], keys: Keyring | None = None) -> dict[str, Any]:
-    """`record` with its signature (a copy); unchanged when no key is configured."""
+def sign(
+    record: dict[str, Any], keys: Keyring | None = None, *, place: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """`record` with its place and signature (a copy); unsigned when no key is configured.
+
+    Args:
+        record: The record to sign (any signature it has is replaced).
+        keys: The keyring; default: the configured one.
+        place: Where the record belongs (`place`); written into it as ``"place"`` and
+            covered by the signature.
+    """
     keys = keys if keys is not None else keyring()
     body = {k: v for k, v in record.items() if k != SIGNATURE}
+    if place is not None:
+        body[PLACE] = place
     if keys is None:
         return body
     return {**body, SIGNATURE: {"key_id": keys.key_id, "hmac": digest(keys.current, body)}}
 
 
-def verify(record: Any, where: str, keys: Keyring | None = None) -> dict[str, Any]:
-    """`record` once its signature checks out (without a key: once it is a JSON object).
+def verify(
+    record: Any,
+    where: str,
+    keys: Keyring | None = None,
+    *,
+    place: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """`record` once its signature and place check out (without a key: once it is a JSON
+    object, and names `place` if it names any).
 
     Args:
         record: A parsed manifest or pointer read back from storage.
         where: Its location, for the message.
         keys: The keyring; default: the configured one.
+        place: The place it was read from (`place`); None only where the caller checks
+            the place itself.
 
     Raises:
         SignatureError: Not an object; or, with a key configured, no signature, an
             unknown key id, or an HMAC that does not match (a forgery or a change).
+        MisplacedRecord: It is bound to another place than `place`, or (with a key) to
+            none.
     """
     if not isinstance(record, dict):
         raise SignatureError(f"{where} is not a JSON object; it was not written by recforge")
     keys = keys if keys is not None else keyring()
     if keys is None:
+        if place is not None and PLACE in record:
+            check_place(record, where, place)
         return record
     signature = record.get(SIGNATURE)
     if not isinstance(signature, dict):
@@ -196,35 +328,86 @@ def verify(record: Any, where: str, keys: Keyring | None = None) -> dict[str, An
             f"not among the configured keys ({', '.join(keys.accepted)}); add the old key "
             f"to {RETIRED_ENV} after a rotation, or rerun the stage that writes it"
         )
-    if not hmac.compare_digest(str(signature.get("hmac")), digest(secret, record)):
+    try:
+        expected_hmac = digest(secret, record)
+    except (ValueError, RecursionError, TypeError) as err:
+        raise SignatureError(
+            f"{where} cannot be put in canonical form ({type(err).__name__})"
+        ) from err
+    if not hmac.compare_digest(str(signature.get("hmac")), expected_hmac):
         raise SignatureError(
             f"{where}: its signature does not match its contents; it was changed or forged "
             "by someone without the key. Nothing it names was opened; rerun the stage that "
             "writes it (--force STAGE)"
         )
+    if place is not None:
+        check_place(record, where, place)
     return record
 
 
-def read_hint(location: str | Path, what: str) -> dict[str, Any] | None:
+def read_hint(
+    location: str | Path,
+    what: str,
+    *,
+    place: dict[str, str] | None = None,
+    limit: int | None = None,
+) -> dict[str, Any] | None:
     """A signed record that is a hint, not a source of truth (a pointer, a cached score,
     a decision): without its signature, or None when it is missing or does not verify
-    (logged under `what`: a forged hint is ignored, never trusted).
-    """
-    from artifacts.locations import read_text_or_none
+    (logged under `what`: a forged or relocated hint is ignored, never trusted).
 
-    text = read_text_or_none(location)
-    if text is None:
-        return None
+    Args:
+        location: Where it is.
+        what: What reads it, for the log line.
+        place: The place it must be bound to (`place`).
+        limit: Its size cap in bytes (default: `locations.MAX_RECORD_BYTES`).
+    """
     try:
-        record = loads_verified(text, str(location))
+        record = read_verified(location, place=place, limit=limit)
     except SignatureError as err:
         _logger.warning("%s: ignoring %s: %s", what, location, err)
+        return None
+    if record is None:
         return None
     return {k: v for k, v in record.items() if k != SIGNATURE}
 
 
-def loads_verified(text: str, where: str, keys: Keyring | None = None) -> dict[str, Any]:
+def read_verified(
+    location: str | Path,
+    *,
+    place: dict[str, str] | None = None,
+    limit: int | None = None,
+    keys: Keyring | None = None,
+) -> dict[str, Any] | None:
+    """Read (up to its size cap), parse and `verify` the record at `location`.
+
+    Returns:
+        The record, or None when there is no object there.
+
+    Raises:
+        SignatureError: It is too large, not UTF-8, does not parse, or `verify`
+            refuses it (`MisplacedRecord` when it belongs elsewhere).
+    """
+    from artifacts.locations import MAX_RECORD_BYTES, read_text_or_none
+
+    text = read_text_or_none(location, MAX_RECORD_BYTES if limit is None else limit)
+    if text is None:
+        return None
+    return loads_verified(text, str(location), keys, place=place)
+
+
+def loads_verified(
+    text: str | bytes,
+    where: str,
+    keys: Keyring | None = None,
+    *,
+    place: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Parse and `verify` a record's JSON text.
+
+    Any parse failure (bad JSON, an integer of thousands of digits, nesting deeper than
+    the parser's stack, bytes that are not UTF-8) makes the record unverifiable, never
+    a crash: whoever can write the bucket can write such an object.
 
     Raises:
         SignatureError: It does not parse, or `verify` refuses it.
@@ -233,4 +416,8 @@ def loads_verified(text: str, where: str, keys: Keyring | None = None) -> dict[s
         record = json.loads(text)
     except json.JSONDecodeError as err:
         raise SignatureError(f"{where} is not valid JSON ({err.msg}, line {err.lineno})") from err
-    return verify(record, where, keys)
+    except (ValueError, RecursionError, UnicodeDecodeError, TypeError) as err:
+        raise SignatureError(
+            f"{where} does not parse as a record ({type(err).__name__}); recforge never wrote it"
+        ) from err
+    return verify(record, where, keys, place=place)
