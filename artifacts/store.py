@@ -77,13 +77,22 @@ from artifacts.locations import (
     is_remote,
     join,
     local_mirror,
-    read_text_or_none,
     remove_tree,
     safe_join,
     storage_errors,
     upload_files,
 )
-from artifacts.signing import Keyring, SignatureError, loads_verified, read_hint, require_key, sign
+from artifacts.signing import (
+    PLACE,
+    Keyring,
+    MisplacedRecord,
+    SignatureError,
+    place,
+    read_hint,
+    read_verified,
+    require_key,
+    sign,
+)
 
 # The pipeline's stages, in order: the one place their names are spelled.
 Stage = Literal["ingest", "preprocess", "shard", "train", "evaluate", "export"]
@@ -93,6 +102,11 @@ DATA_STAGES: tuple[Stage, ...] = STAGES[:3]
 # The root when none is given: ./store beside where recforge runs.
 DEFAULT_ROOT = "store"
 MANIFEST = "_manifest.json"
+# Size caps of the small records read back from the root (a manifest has the default,
+# `locations.MAX_RECORD_BYTES`): a `latest/` pointer is one URL; the plan's record
+# holds each stage's config section and raw file list.
+POINTER_BYTES = 64 << 10
+LATEST_JSON_BYTES = 8 << 20
 _logger = logging.getLogger(__name__)
 
 
@@ -136,8 +150,18 @@ class ArtifactStore:
         return f"ArtifactStore({self.url!r})"
 
     def location(self, *parts: str) -> str:
-        """Where `parts` live under the root: a local path or a URL, as text."""
-        return join(self.url, *parts) if self.remote else str(self.root.joinpath(*parts))
+        """Where `parts` live under the root: a local path or a URL, as text.
+
+        Every part goes through `safe_join`: a pipeline, model or version name such as
+        ``/etc/cron.d`` or ``..`` cannot lead outside the root.
+
+        Raises:
+            UnsafeName: A part is empty, absolute, holds ``..``, a backslash or a scheme.
+        """
+        for part in parts:
+            check_name(part, "a name under the artifact root (pipeline, stage, model, version)")
+        name = "/".join(parts)
+        return str(safe_join(self.url if self.remote else self.root, name, f"{name[:80]!r}"))
 
     def output_dir(self, stage: str, fp: str) -> Path:
         """The local directory of an output (for a remote root, its materialized copy)."""
@@ -210,22 +234,30 @@ class ArtifactStore:
                 fs.makedirs(path, exist_ok=True)
 
     def verify(self, stage: str, fp: str) -> tuple[dict | None, str]:
-        """Check a published output against its manifest.
+        """Check a published output against its manifest, and the manifest against its place.
 
-        Locally every file's size and sha256 is checked; remotely every object's size and
-        ETag (sha256 is checked when an output is materialized, see `materialize`).
+        The manifest must be signed for ``place("stage-output", stage, fingerprint)``:
+        a genuine manifest copied here from another output is refused. Locally every
+        file's size and sha256 is checked; remotely every object's size and ETag, and
+        that the data prefix holds nothing the manifest does not list (sha256 is checked
+        when an output is materialized, see `materialize`).
 
         Returns:
             (manifest, "") when every listed file exists with its size and sha256;
             (None, why) when there is no output (never published, or deleted whole).
 
         Raises:
-            CorruptOutput: The output was published, but its manifest does not parse or
-                a file it lists is missing or has other bytes.
+            MisplacedRecord: The manifest was signed for another output (a relocated
+                copy, both places named) or names no place (written before records
+                were bound; the message says what rebuilds it).
+            SignatureError: It is unsigned, forged, too large or does not parse.
+            CorruptOutput: The output was published, but a file it lists is missing or
+                has other bytes (or, remotely, an object it does not list was added).
         """
+        expected = stage_place(stage, fp)
         if self.remote:
             url = self.output_url(stage, fp)
-            manifest = remote_manifest(url)
+            manifest = remote_manifest(url, place=expected)
             if manifest is None:
                 return None, f"no output at {url}"
             problem = check_remote_output(url, manifest)
@@ -237,17 +269,16 @@ class ArtifactStore:
                 )
             return manifest, ""
         out = self.output_dir(stage, fp)
-        manifest_path = out / MANIFEST
         if not out.exists():
             return None, f"no output at {out}"
-        problem = check_output_dir(out)
+        manifest, problem = _checked_dir(out, expected)
         if problem:
             raise CorruptOutput(
                 f"the {stage} output {out} was published whole but has changed since: "
                 f"{problem}. Look for the cause (disk, a hand edit), then run the stage "
                 f"again with --force {stage} to replace it"
             )
-        return loads_verified(manifest_path.read_text(), str(manifest_path)), ""
+        return manifest, ""
 
     def is_published(self, stage: str, fp: str) -> bool:
         """Whether an output's manifest exists (not verified: the plan's cheap look)."""
@@ -258,25 +289,51 @@ class ArtifactStore:
         return (self.output_dir(stage, fp) / MANIFEST).is_file()
 
     def new_staging(self, stage: str, fp: str) -> Path:
-        path = self.root / "stages" / stage / f".staging-{fp[:16]}-{uuid.uuid4().hex[:8]}"
-        path.mkdir(parents=True)
+        """A fresh staging directory for one output, writable by this user only.
+
+        Mode 0700: whoever else can write the root (another account on a shared disk)
+        cannot add a file to it, so `publish` may sign what it finds there. (For a remote
+        root it lies in the local mirror, which the bucket's writers cannot reach.)
+        """
+        parent = self.root / "stages" / stage
+        parent.mkdir(parents=True, exist_ok=True)
+        path = parent / f".staging-{fp[:16]}-{uuid.uuid4().hex[:8]}"
+        path.mkdir(mode=0o700)
         return path
 
-    def publish(self, stage: str, fp: str, staging: Path, meta: dict) -> dict:
+    def publish(
+        self, stage: str, fp: str, staging: Path, meta: dict, written: list[str] | None = None
+    ) -> dict:
         """Seal a staging directory with its manifest and put it in place.
 
         Locally the staging directory is renamed into place. For a remote root its files
         are uploaded under a fresh data prefix, the manifest is written last (the commit),
-        and the staging directory becomes the output's local materialized copy.
+        and the staging directory becomes the output's local materialized copy. The
+        manifest is signed for ``place("stage-output", stage, fingerprint)``.
+
+        Args:
+            stage: The stage.
+            fp: Its fingerprint.
+            staging: A `new_staging` directory the stage wrote into.
+            meta: The stage's figures, kept in the manifest.
+            written: The files the stage reports writing (relative to `staging`); the
+                directory must hold exactly these. None: every file in it (it was made
+                by `new_staging`, 0700, and only this process and its children write it).
+
+        Raises:
+            CorruptOutput: `written` is given and the directory holds another file or
+                lacks one (nothing is published).
         """
         files = describe_files(staging)
+        if written is not None:
+            _check_exactly(set(files), set(written), str(staging), stage)
         fault = _chaos_fault(stage)
         if self.remote:
             return self._publish_remote(stage, fp, staging, meta, files, fault)
         for rel in files:
             fsync_file(staging / rel)
         fault("before-manifest")
-        manifest = sign(_manifest(stage, fp, files, meta))
+        manifest = sign(_manifest(stage, fp, files, meta), place=stage_place(stage, fp))
         if fault is not no_fault:
             torn = json.dumps(manifest, indent=2, default=str)
             (staging / MANIFEST).write_text(torn[: len(torn) // 2])
@@ -294,7 +351,11 @@ class ArtifactStore:
     ) -> dict:
         """Upload the output, manifest last; the staging directory becomes its local copy."""
         manifest = _publish_tree(
-            staging, self.output_url(stage, fp), _manifest(stage, fp, files, meta), fault
+            staging,
+            self.output_url(stage, fp),
+            _manifest(stage, fp, files, meta),
+            stage_place(stage, fp),
+            fault,
         )
         write_json_durable(staging / MANIFEST, manifest)
         replace_dir(staging, self.output_dir(stage, fp))
@@ -307,22 +368,29 @@ class ArtifactStore:
     def publish_prefix(self, stage: str, fp: str, data_url: str, files: dict, meta: dict) -> dict:
         """Seal objects already written under `data_url` (a `new_data_prefix`).
 
-        Every object `files` describes ({rel: {"bytes", "sha256"[, "rows"]}}) must be
-        there with its size; the manifest naming the prefix, with each object's ETag, is
-        written last (the commit point), then the replaced output's objects go.
+        `files` ({rel: {"bytes", "sha256"[, "rows"]}}) describes what the stage reports
+        writing, and the prefix must hold exactly that: every object there with its size,
+        and nothing else (an object someone else PUT there while the stage ran is never
+        signed). The manifest naming the prefix, with each object's ETag, is written last
+        (the commit point), signed for ``place("stage-output", stage, fingerprint)``; then
+        the replaced output's objects go.
 
         Raises:
+            CorruptOutput: The prefix holds an object the stage did not write (nothing is
+                published; the message names it).
             OSError: An object is missing or has another size than described (transient:
                 the stage runs again).
         """
+        expected = stage_place(stage, fp)
         url = self.output_url(stage, fp)
-        previous = remote_manifest(url, strict=False)
+        previous = remote_manifest(url, strict=False, place=expected)
         fs, path = filesystem(data_url)
         fs.invalidate_cache(path)
         listing = {
             name.removeprefix(path.rstrip("/") + "/"): info
             for name, info in fs.find(path, detail=True).items()
         }
+        _refuse_unreported(set(listing) - set(files), data_url, stage)
         entries = {}
         for rel, entry in sorted(files.items()):
             info = listing.get(rel)
@@ -331,7 +399,7 @@ class ArtifactStore:
             entries[rel] = {**entry, "etag": etag(info)}
         _chaos_fault(stage)("before-manifest")
         data = data_url.rstrip("/").rsplit("/", 1)[-1]
-        manifest = sign({**_manifest(stage, fp, entries, meta), "data": data})
+        manifest = sign({**_manifest(stage, fp, entries, meta), "data": data}, place=expected)
         write_json(join(url, MANIFEST), manifest)
         if previous and previous.get("data") and previous["data"] != data:
             remove_tree(join(url, previous["data"]))
@@ -351,14 +419,16 @@ class ArtifactStore:
         """The output a stage of this pipeline last published, if it still exists.
 
         Raises:
-            SignatureError: The pointer is not signed with the run key.
+            SignatureError: The pointer is not signed with the run key, is too large or
+                does not parse.
+            MisplacedRecord: It was signed for another pipeline's or stage's pointer.
             UnsafeName: It names a location outside this root's stage outputs.
         """
-        location = self.location("latest", pipeline, f"{stage}.json")
-        text = read_text_or_none(location)
-        if text is None:
+        name = f"{stage}.json"
+        location = self.location("latest", pipeline, name)
+        pointer = read_verified(location, place=latest_place(pipeline, name), limit=POINTER_BYTES)
+        if pointer is None:
             return None
-        pointer = loads_verified(text, str(location))
         output = check_under(
             str(pointer.get("output")), self.location("stages", stage), f"{location} 'output'"
         )
@@ -367,26 +437,37 @@ class ArtifactStore:
         return output if Path(output).is_dir() else None
 
     def record_latest(self, pipeline: str, stage: str, output: str | Path) -> None:
-        """Point ``latest/<pipeline>/<stage>.json`` at an output (replaced whole)."""
+        """Point ``latest/<pipeline>/<stage>.json`` at an output (replaced whole), signed
+        for that place."""
+        name = f"{stage}.json"
         write_json(
-            self.location("latest", pipeline, f"{stage}.json"), sign({"output": str(output)})
+            self.location("latest", pipeline, name),
+            sign({"output": str(output)}, place=latest_place(pipeline, name)),
         )
 
     def read_latest_json(self, pipeline: str, name: str) -> dict | None:
         """``latest/<pipeline>/<name>`` (signature removed), or None when there is none, or
-        when it does not parse or verify (logged: it is a hint, never a source of truth)."""
-        return read_hint(self.location("latest", pipeline, name), "latest pointer")
+        when it does not parse or verify, is too large or was signed for another place
+        (logged: it is a hint, never a source of truth)."""
+        record = read_hint(
+            self.location("latest", pipeline, name),
+            "latest pointer",
+            place=latest_place(pipeline, name),
+            limit=LATEST_JSON_BYTES,
+        )
+        return None if record is None else {k: v for k, v in record.items() if k != PLACE}
 
     def write_latest_json(self, pipeline: str, name: str, payload: dict) -> Path | str:
         """Replace ``latest/<pipeline>/<name>`` whole; returns its path (URL when remote)."""
         location = self.location("latest", pipeline, name)
-        write_json(location, sign(payload))
+        write_json(location, sign(payload, place=latest_place(pipeline, name)))
         return location if self.remote else Path(location)
 
     def write_run_record(self, run_id: str, record: dict) -> Path | str:
-        """Write ``runs/<run_id>/summary.json`` whole; returns its path (URL when remote)."""
+        """Write ``runs/<run_id>/summary.json`` whole, signed for
+        ``place("run-record", run_id)``; returns its path (URL when remote)."""
         location = safe_join(self.url, f"runs/{run_id}/summary.json", "a run id")
-        write_json(location, sign(record))
+        write_json(location, sign(record, place=place("run-record", run_id=run_id)))
         return location if self.remote else Path(location)
 
     def model_location(self, model_name: str, version: str) -> Path | str:
@@ -404,6 +485,10 @@ class ArtifactStore:
     def publish_model(self, model_name: str, version: str, package: str | Path) -> Path | str:
         """Copy an export package into ``registry/<model>/<version>``, whole or not at all.
 
+        The export output's manifest (bound to its stage output) is verified, then
+        signed again for ``place("package", model, version)``: the registry's copy
+        belongs to that version only.
+
         Args:
             model_name: The registry's model name.
             version: The version's name.
@@ -413,41 +498,50 @@ class ArtifactStore:
             The package's registry directory (its URL when remote).
         """
         check_name(version, "a model version")
+        bound = place("package", model=model_name, version=version)
         if self.remote:
             local = materialize(package)
             url = self.location("registry", model_name, version)
-            manifest = loads_verified((local / MANIFEST).read_text(), str(local / MANIFEST))
-            _publish_tree(local, url, manifest)
+            manifest = read_verified(local / MANIFEST, place=output_place(package))
+            _publish_tree(local, url, manifest, bound)
             return url
-        problem = check_output_dir(Path(package))
+        manifest, problem = _checked_dir(Path(package), output_place(package))
         if problem:
             raise CorruptOutput(f"the export package {package} does not verify: {problem}")
-        final = self.root / "registry" / model_name / version
+        final = Path(self.location("registry", model_name, version))
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = final.parent / f".staging-{version}-{uuid.uuid4().hex[:8]}"
-        shutil.copytree(package, staging)
+        # Only the files the manifest lists are copied (nothing else that lies beside them).
+        staging.mkdir(mode=0o700)
+        for rel in manifest["files"]:
+            target = Path(safe_join(staging, rel, f"a file listed in {package}/{MANIFEST}"))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(Path(package) / rel, target)
+        write_json_durable(staging / MANIFEST, sign(manifest, place=bound))
         replace_dir(staging, final)
         return final
 
 
-def _publish_tree(local: Path, url: str, manifest: dict, fault: Any = None) -> dict:
+def _publish_tree(
+    local: Path, url: str, manifest: dict, bound: dict[str, str], fault: Any = None
+) -> dict:
     """Publish the files `manifest` lists from `local` at `url`, whole or not at all.
 
-    They go under a fresh data prefix, then the manifest naming it is written in one PUT
-    (the commit point); the objects of the manifest it replaces go last, once nothing
-    names them.
+    They go under a fresh data prefix, then the manifest naming it, signed for the place
+    `bound`, is written in one PUT (the commit point); the objects of the manifest it
+    replaces go last, once nothing names them.
 
     Returns:
         The published manifest (with its data prefix and each object's ETag).
     """
-    previous = remote_manifest(url, strict=False)
+    previous = remote_manifest(url, strict=False, place=bound)
     data = f"data-{uuid.uuid4().hex[:12]}"
     files = {rel: dict(entry) for rel, entry in manifest["files"].items()}
     etags = upload_files(local, list(files), join(url, data))
     for rel, entry in files.items():
         entry["etag"] = etags[rel]
     (fault or no_fault)("before-manifest")
-    published = sign({**manifest, "files": files, "data": data})
+    published = sign({**manifest, "files": files, "data": data}, place=bound)
     write_json(join(url, MANIFEST), published)
     if previous and previous.get("data") and previous["data"] != data:
         remove_tree(join(url, previous["data"]))
@@ -467,19 +561,22 @@ def materialize(location: str | Path) -> Path:
     Raises:
         InputNotFoundError: Nothing is published at `location`.
         CorruptOutput: An object differs from the manifest (named in the message).
+        MisplacedRecord: The manifest was signed for another place than `location`
+            (`output_place`).
     """
     if not is_remote(location):
         return as_location(location)
     url = str(location).rstrip("/")
-    manifest = remote_manifest(url)
+    manifest = remote_manifest(url, place=output_place(url))
     if manifest is None:
         raise InputNotFoundError(
             f"nothing is published at {url} (no {MANIFEST}); run the stage that writes it"
         )
     local = local_mirror(url)
-    if (local / MANIFEST).is_file() and json.loads((local / MANIFEST).read_text()) == manifest:
+    if (local / MANIFEST).is_file():
         try:
-            if not check_output_dir(local):
+            mirrored, problem = _checked_dir(local, output_place(url))
+            if not problem and mirrored == manifest:
                 return local
         except (SignatureError, UnsafeName):
             pass  # the copy is downloaded again, whole, below
@@ -507,35 +604,36 @@ def materialize(location: str | Path) -> Path:
     return local
 
 
-def remote_manifest(url: str, strict: bool = True) -> dict | None:
-    """The manifest published at `url`, verified (signature, names), None when there is none.
+def remote_manifest(
+    url: str, strict: bool = True, place: dict[str, str] | None = None
+) -> dict | None:
+    """The manifest published at `url`, verified (signature, place, names), None when
+    there is none.
 
-    Its signature is checked first (`artifacts.signing`), then that its data prefix is
+    It is read up to its size cap, its signature is checked first (`artifacts.signing`),
+    then that it was signed for the place it was found at, then that its data prefix is
     one plain name: only then may a caller use a single name or sha256 from it.
 
+    Args:
+        url: The output's URL (``.../stages/<stage>/<fp>`` or
+            ``.../registry/<model>/<version>``).
+        strict: Raise (True) or log and return None (False) when it does not verify.
+        place: The place it must be signed for; default: the one its URL names
+            (`output_place`).
+
     Raises:
-        CorruptOutput: With `strict`, the manifest does not parse.
-        SignatureError, UnsafeName: With `strict`, it is unsigned, forged or names a
-            data prefix outside its directory. Without `strict` each of these reads as
-            no manifest (logged).
+        CorruptOutput: With `strict`, the manifest lists no files.
+        MisplacedRecord: With `strict`, it was signed for another place (a relocated
+            copy) or none.
+        SignatureError, UnsafeName: With `strict`, it is unsigned, forged, too large,
+            does not parse or names a data prefix outside its directory. Without
+            `strict` each of these reads as no manifest (logged).
     """
     location = join(url, MANIFEST)
-    text = read_text_or_none(location)
-    if text is None:
-        return None
     try:
-        manifest = json.loads(text)
-        if not isinstance(manifest.get("files"), dict):
-            raise KeyError("files")
-    except (json.JSONDecodeError, KeyError, AttributeError) as err:
-        if not strict:
+        manifest = read_verified(location, place=place or output_place(url))
+        if manifest is None:
             return None
-        raise CorruptOutput(
-            f"{location} is not a valid manifest ({err}); run the stage "
-            "again with --force to replace it"
-        ) from err
-    try:
-        loads_verified(text, str(location))
         if manifest.get("data"):
             check_name(str(manifest["data"]), f"the data prefix in {location}")
             if "/" in str(manifest["data"]):
@@ -545,7 +643,124 @@ def remote_manifest(url: str, strict: bool = True) -> dict | None:
             raise
         _logger.warning("ignoring %s: %s", location, err)
         return None
+    if not isinstance(manifest.get("files"), dict):
+        if not strict:
+            return None
+        raise CorruptOutput(
+            f"{location} is not a valid manifest (no file list); run the stage again with "
+            "--force to replace it"
+        )
     return manifest
+
+
+def stage_place(stage: str, fp: str) -> dict[str, str]:
+    """The place a stage output's manifest is signed for."""
+    return place("stage-output", stage=stage, fingerprint=fp)
+
+
+def latest_place(pipeline: str, name: str) -> dict[str, str]:
+    """The place of ``latest/<pipeline>/<name>`` (a pointer, ``plan.json``)."""
+    return place("latest", pipeline=pipeline, name=name)
+
+
+def output_place(location: str | Path) -> dict[str, str]:
+    """The place a manifest found at `location` must be signed for, read off its path.
+
+    ``.../stages/<stage>/<fp>`` (an output, or its materialized copy in the local mirror)
+    is ``place("stage-output", stage, fingerprint)``; ``.../registry/<model>/<version>``
+    is ``place("package", model, version)``.
+
+    Raises:
+        MisplacedRecord: `location` is neither, so no place can be checked (refused:
+            nothing is trusted that cannot be tied to where it was found).
+    """
+    parts = str(location).rstrip("/").replace("\\", "/").split("/")
+    if len(parts) >= 3 and parts[-3] == "stages" and parts[-2] in STAGES:
+        return stage_place(parts[-2], parts[-1])
+    if len(parts) >= 3 and parts[-3] == "registry":
+        return place("package", model=parts[-2], version=parts[-1])
+    raise MisplacedRecord(
+        f"{location} is neither a stage output (stages/<stage>/<fingerprint>) nor a "
+        "registry package (registry/<model>/<version>), so the place its manifest must "
+        "name is unknown; read it from where recforge published it"
+    )
+
+
+def output_manifest(location: str | Path) -> dict:
+    """The verified manifest of a local output directory (or its materialized copy).
+
+    Its signature and place (`output_place`) are checked, not the files' bytes (`verify`
+    and `materialize` did that).
+
+    Raises:
+        InputNotFoundError: No manifest there.
+        SignatureError: The manifest does not verify (`MisplacedRecord`: another place).
+    """
+    manifest = read_verified(Path(location) / MANIFEST, place=output_place(location))
+    if manifest is None or not isinstance(manifest.get("files"), dict):
+        raise InputNotFoundError(
+            f"{location} holds no valid {MANIFEST}; run the stage that writes it"
+        )
+    return manifest
+
+
+def listed_files(location: str | Path, under: str, suffix: str) -> list[Path]:
+    """The files of a local output's manifest directly under `under`/ ending in `suffix`,
+    sorted by name (``<location>/events/part-00000-0.parquet``).
+
+    A stage output is exactly its manifest: readers take their inputs from this list,
+    never from a directory listing, so a file planted beside the listed ones is never
+    read.
+
+    Raises:
+        InputNotFoundError: No manifest there.
+        SignatureError: The manifest does not verify (`MisplacedRecord`: another place).
+    """
+    manifest = output_manifest(location)
+    return [Path(location) / rel for rel in names_under(manifest, under, suffix)]
+
+
+def names_under(manifest: dict, under: str, suffix: str) -> list[str]:
+    """The names `manifest` lists directly under `under`/ that end in `suffix`, sorted."""
+    prefix = f"{under.strip('/')}/" if under.strip("/") else ""
+    return sorted(
+        rel
+        for rel in manifest["files"]
+        if rel.startswith(prefix) and "/" not in rel[len(prefix) :] and rel.endswith(suffix)
+    )
+
+
+def _check_exactly(found: set[str], reported: set[str], where: str, stage: str) -> None:
+    """Refuse to publish unless `where` holds exactly the files the stage reported.
+
+    Raises:
+        CorruptOutput: An unreported file is there (`_refuse_unreported`) or a reported
+            one is missing.
+    """
+    _refuse_unreported(found - reported, where, stage)
+    missing = sorted(reported - found)
+    if missing:
+        raise CorruptOutput(
+            f"{where} lacks {', '.join(missing[:3])}, which the {stage} stage reports "
+            "writing; nothing was published. Run the stage again"
+        )
+
+
+def _refuse_unreported(unreported: set[str], where: str, stage: str) -> None:
+    """Refuse to publish files the stage did not report writing.
+
+    Raises:
+        CorruptOutput: Names up to three of them: someone else wrote there, and what
+            they wrote is never signed.
+    """
+    extra = sorted(unreported)
+    if extra:
+        raise CorruptOutput(
+            f"{where} holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which "
+            f"the {stage} stage did not write: someone else wrote there while it ran. Nothing "
+            "was published (an output is exactly the files its stage wrote); find out who can "
+            "write under the root, then run again"
+        )
 
 
 def describe_files(staging: Path) -> dict[str, dict]:
@@ -585,23 +800,40 @@ def _manifest(stage: str, fp: str, files: dict, meta: dict) -> dict:
     }
 
 
-def check_output_dir(out: Path) -> str:
+def check_output_dir(out: Path, place: dict[str, str] | None = None) -> str:
     """Why the output directory `out` does not match its manifest, or "".
 
+    Args:
+        out: A stage output or registry package directory (or its local copy).
+        place: The place its manifest must be signed for; default: the one its path
+            names (`output_place`).
+
     Raises:
-        SignatureError: The manifest is not signed with the run key (a forgery).
+        SignatureError: The manifest is not signed with the run key (a forgery), is
+            too large or does not parse.
+        MisplacedRecord: It was signed for another place (a relocated copy) or none.
         UnsafeName: It lists a name outside `out`.
     """
-    manifest_path = out / MANIFEST
+    return _checked_dir(out, place or output_place(out))[1]
+
+
+def _checked_dir(out: Path, expected: dict[str, str]) -> tuple[dict | None, str]:
+    """(the verified manifest, "") of the output directory `out`, or (None|manifest, why
+    it does not match its files); raises as `check_output_dir`."""
+    manifest_path = Path(out) / MANIFEST
     if not manifest_path.exists():
         # Publishing renames a directory that already holds its manifest.
-        return f"{manifest_path} is missing"
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        return f"{manifest_path} is not a valid manifest ({err})"
-    loads_verified(manifest_path.read_text(), str(manifest_path))
+        return None, f"{manifest_path} is missing"
+    manifest = read_verified(manifest_path, place=expected)
+    if manifest is None:
+        return None, f"{manifest_path} is missing"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return None, f"{manifest_path} is not a valid manifest (no file list)"
+    return manifest, _check_files(Path(out), manifest_path, files)
+
+
+def _check_files(out: Path, manifest_path: Path, files: dict) -> str:
     for rel, entry in files.items():
         path = Path(safe_join(out, rel, f"a file listed in {manifest_path}"))
         if not path.exists():
@@ -617,7 +849,8 @@ def check_remote_output(url: str, manifest: dict) -> str:
     """Why the objects of the output published at `url` do not match `manifest`, or "".
 
     One listing: every listed object must exist with its size and, when the manifest
-    recorded one, its ETag (which changes whenever an object is written again).
+    recorded one, its ETag (which changes whenever an object is written again); and the
+    data prefix must hold nothing else (an output is exactly its manifest's files).
     """
     data = join(url, manifest.get("data", ""))
     for rel in manifest["files"]:
@@ -636,6 +869,14 @@ def check_remote_output(url: str, manifest: dict) -> str:
             return f"{join(data, rel)} has {info['size']} bytes, the manifest {entry['bytes']}"
         if entry.get("etag") and etag(info) and etag(info) != entry["etag"]:
             return f"{join(data, rel)} was written again after it was published (its ETag)"
+    if not manifest.get("data"):
+        listing.pop(MANIFEST, None)
+    extra = sorted(set(listing) - set(manifest["files"]))
+    if extra:
+        return (
+            f"{join(data, extra[0])} is not listed in the manifest (someone else wrote it "
+            f"there{f', and {len(extra) - 1} more' if len(extra) > 1 else ''})"
+        )
     return ""
 
 

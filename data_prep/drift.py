@@ -73,16 +73,31 @@ class DriftReport:
         return "; ".join(f"{f['column']}: {f['check']} {f['detail']}" for f in self.findings)
 
 
-def compute_stats(events_dir: Location, schema: SchemaConfig, top_values: int = 50) -> dict:
+def compute_stats(
+    events_dir: Location,
+    schema: SchemaConfig,
+    top_values: int = 50,
+    files: list[Location] | None = None,
+) -> dict:
     """Summarise the clean events under ``events_dir`` (``*.parquet``, recursively; a URL
     is read through fsspec).
+
+    Args:
+        events_dir: The events directory (named in messages; listed without `files`).
+        schema: The raw columns.
+        top_values: How many of the most frequent values each categorical keeps.
+        files: The event files to read: those the ingest stage reports writing (the task
+            layer passes them, so an object someone else put under a data prefix is never
+            summarised). None: every ``*.parquet`` under `events_dir`, for a directory
+            only this process writes.
 
     Returns:
         ``{"rows": n, "columns": {name: {...}}}`` with ``null_rate`` for every column,
         ``min``/``max``/``mean``/``std`` for numeric ones and ``top`` (value -> share,
         plus ``__other__``) for string and id-like ones (sparse and key roles).
     """
-    files = list_files(events_dir, ".parquet", recursive=True)
+    if files is None:
+        files = list_files(events_dir, ".parquet", recursive=True)
     categorical = [
         f.name for f in schema.fields if f.role in ("sparse", "key", "label") and not f.multi_hot
     ]

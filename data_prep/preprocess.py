@@ -43,7 +43,7 @@ import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -58,7 +58,6 @@ from artifacts.errors import ConfigError, DataError, InputNotFoundError
 from artifacts.locations import (
     Location,
     as_location,
-    base_name,
     close_output,
     is_remote,
     join,
@@ -193,6 +192,7 @@ class PreprocessResult:
     sequences: dict[str, int] | None = None
     partitions: list[str] | None = None
     vocabulary: dict[str, dict] | None = None
+    files: list[str] = field(default_factory=list)
 
 
 def preprocess_events(
@@ -204,6 +204,7 @@ def preprocess_events(
     map_files: FileMapper | None = None,
     partition: str | None = None,
     parent: dict | None = None,
+    files: list[Location] | None = None,
 ) -> PreprocessResult:
     """Split events, fit the transform on train (or extend `parent`'s), transform every split.
 
@@ -211,6 +212,10 @@ def preprocess_events(
         config: the preprocess section.
         schema: roles and transforms of the columns.
         events_dir: ingest's ``events`` directory (a path, or a URL read through fsspec).
+        files: the event files to read, in order: those ingest's signed manifest lists
+            (the task layer passes them; a file planted beside them is never read).
+            None: the ``*.parquet`` files directly in `events_dir`, for a directory only
+            this process writes (tests, benchmarks).
         out_dir: an empty directory to write into (the caller publishes it), or a URL:
             then every file is written through fsspec, by whoever runs the step.
         on_progress: called with the number of rows transformed so far (per file).
@@ -227,7 +232,8 @@ def preprocess_events(
             their rows. Needs ``partition``.
 
     Returns:
-        Row counts per split, vocabulary sizes, the split and the leak figures.
+        Row counts per split, vocabulary sizes, the split and the leak figures, and
+        every file written (relative to `out_dir`), for the publisher.
 
     Raises:
         InputNotFoundError: no event files.
@@ -237,7 +243,7 @@ def preprocess_events(
             split leaks future events.
     """
     _check_config(config, schema)
-    events = _Events.find(as_location(events_dir), config.batch_rows, schema)
+    events = _Events.find(as_location(events_dir), config.batch_rows, schema, files)
     workers = pa.cpu_count()
     if map_files is None:
         map_files = partial(ordered_map, workers=workers)
@@ -286,10 +292,15 @@ def preprocess_events(
         out_dir=out_dir,
     )
     rows = dict.fromkeys(SPLITS, 0)
-    for file_rows, file_guard in map_files(transform_file, range(len(events.files))):
+    written = ["transform.json"]
+    transformed = map_files(transform_file, range(len(events.files)))
+    for index, (file_rows, file_guard) in enumerate(transformed):
         guard.merge(file_guard)
         for split in SPLITS:
             rows[split] += file_rows[split]
+            if file_rows[split]:
+                # _PartWriter creates a part file on its first non-empty table only.
+                written.append(part_name(split, index))
         if on_progress is not None:
             on_progress(sum(rows.values()))
     guard.check()
@@ -298,7 +309,8 @@ def preprocess_events(
         raise DataError(f"split(s) {empty} are empty after transforming ({rows}).")
     sequences = None
     if config.sequence_length is not None and is_remote(out_dir):
-        sequences = _build_sequences_remote(config, schema, transform, out_dir)
+        sequences, built = _build_sequences_remote(config, schema, transform, out_dir, written)
+        written += built
     elif config.sequence_length is not None:
         built = build_sequences(
             {split: out_dir / split for split in SPLITS},
@@ -315,6 +327,9 @@ def preprocess_events(
             windows=config.sequence_windows,
         )
         sequences = built.rows
+        # The staging directory is this process's own (0700): what build_sequences wrote.
+        found = (out_dir / "sequences").rglob("*")
+        written += sorted(p.relative_to(out_dir).as_posix() for p in found if p.is_file())
     time_plan = plan if isinstance(plan, _TimePlan) else None
     return PreprocessResult(
         out_dir=out_dir,
@@ -330,23 +345,41 @@ def preprocess_events(
             name: max(per_label.values(), default=0.5)
             for name, per_label in transform["leakage"]["single_feature_train_auc"].items()
         },
+        files=written,
     )
 
 
+def part_name(split: str, index: int) -> str:
+    """``train/part-00003.parquet``: the transformed rows of event file `index` in `split`."""
+    return f"{split}/part-{index:05d}.parquet"
+
+
 def _build_sequences_remote(
-    config: PreprocessConfig, schema: SchemaConfig, transform: dict, out_url: str
-) -> dict[str, int]:
+    config: PreprocessConfig,
+    schema: SchemaConfig,
+    transform: dict,
+    out_url: str,
+    written: list[str],
+) -> tuple[dict[str, int], list[str]]:
     """``build_sequences`` for an output URL: its sort spills to a local scratch directory.
 
     The sequence builder sorts every split by user with local spill files, so the
-    transformed splits are copied into a temporary directory of the machine that runs
-    preprocess, the sequences built there and uploaded under ``<out_url>/sequences``.
+    transformed splits (the part files this run wrote, `written`: never a listing of the
+    bucket, where someone else may have put a file) are copied into a temporary directory
+    of the machine that runs preprocess, the sequences built there and uploaded under
+    ``<out_url>/sequences``.
+
+    Returns:
+        Rows per sequence output, and the files uploaded (relative to `out_url`).
     """
+    uploaded = []
     with tempfile.TemporaryDirectory(prefix="recforge-sequences-") as scratch:
         local = Path(scratch)
         for split in SPLITS:
-            for url in list_files(join(out_url, split), ".parquet"):
-                write_bytes(local / split / base_name(url), read_bytes(url))
+            (local / split).mkdir(parents=True, exist_ok=True)
+        for rel in written:
+            if rel.endswith(".parquet") and rel.split("/", 1)[0] in SPLITS:
+                write_bytes(local / rel, read_bytes(join(out_url, rel)))
         built = build_sequences(
             {split: local / split for split in SPLITS},
             schema.user_key,
@@ -364,7 +397,8 @@ def _build_sequences_remote(
         for path in sorted(p for p in (local / "sequences").rglob("*") if p.is_file()):
             rel = path.relative_to(local).as_posix()
             write_bytes(join(out_url, rel), path.read_bytes())
-    return built.rows
+            uploaded.append(rel)
+    return built.rows, uploaded
 
 
 def _check_label_leaks(transform: dict, config: PreprocessConfig) -> None:
@@ -441,8 +475,14 @@ class _Events:
     dictionaries: tuple[str, ...] = ()
 
     @classmethod
-    def find(cls, events_dir: Location, batch_rows: int, schema: SchemaConfig) -> "_Events":
-        files = list_files(events_dir, ".parquet")
+    def find(
+        cls,
+        events_dir: Location,
+        batch_rows: int,
+        schema: SchemaConfig,
+        listed: list[Location] | None = None,
+    ) -> "_Events":
+        files = list(listed) if listed is not None else list_files(events_dir, ".parquet")
         if not files:
             raise InputNotFoundError(f"no event files under '{events_dir}'; run ingest first.")
         counts = [open_parquet(p).metadata.num_rows for p in files]
@@ -788,7 +828,7 @@ def _transform_file(
     # Statistics only where readers use them: the timestamp's min/max.
     statistics = [applier.transform["timestamp"]]
     writers = [
-        _PartWriter(join(out_dir, split, f"part-{index:05d}.parquet"), dictionary, statistics)
+        _PartWriter(join(out_dir, part_name(split, index)), dictionary, statistics)
         for split in SPLITS
     ]
     checked = guard()

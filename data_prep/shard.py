@@ -114,6 +114,7 @@ def write_shards(
     preprocessed_dir: Path,
     out_dir: Path,
     on_progress: Callable[[int], None] | None = None,
+    listed: list[str] | None = None,
 ) -> ShardResult:
     """Write balanced shards of every split and the dataset description.
 
@@ -122,6 +123,10 @@ def write_shards(
         preprocessed_dir: preprocess's output (split tables and ``transform.json``).
         out_dir: an empty directory to write into (the caller publishes it).
         on_progress: called with the number of rows sharded so far.
+        listed: the file names preprocess's signed manifest lists (the task layer
+            passes them): only those split tables are read, never a file planted beside
+            them. None: the ``*.parquet`` files in each split directory, for a directory
+            only this process writes (tests, benchmarks).
 
     Returns:
         Rows per split and shard file names.
@@ -136,7 +141,7 @@ def write_shards(
     transform = read_transform(preprocessed_dir / "transform.json")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sources = _find_sources(preprocessed_dir, config.batch_rows)
+    sources = _find_sources(preprocessed_dir, config.batch_rows, listed)
 
     def write(split: str) -> list:
         source = sources[split]
@@ -165,15 +170,27 @@ def write_shards(
     )
 
 
-def _find_sources(preprocessed: Location, batch_rows: int) -> dict[str, "_Source"]:
-    """Every split's preprocessed files, in name order.
+def _find_sources(
+    preprocessed: Location, batch_rows: int, listed: list[str] | None = None
+) -> dict[str, "_Source"]:
+    """Every split's preprocessed files, in name order: those `listed` (preprocess's
+    manifest) under ``<split>/``, or, without a list, those found in each split directory.
 
     Raises:
         InputNotFoundError: a split has no files.
     """
     sources = {}
     for split in SPLITS:
-        files = list_files(join(preprocessed, split), ".parquet")
+        if listed is None:
+            files = list_files(join(preprocessed, split), ".parquet")
+        else:
+            files = [
+                join(preprocessed, rel)
+                for rel in sorted(listed)
+                if rel.startswith(f"{split}/")
+                and "/" not in rel[len(split) + 1 :]
+                and rel.endswith(".parquet")
+            ]
         if not files:
             raise InputNotFoundError(
                 f"no '{split}' table under '{preprocessed}'; run preprocess first."
@@ -495,7 +512,11 @@ class ShardPlan:
 
 
 def plan_shards(
-    config: ShardConfig, preprocessed: Location, out: Location, scratch: Location
+    config: ShardConfig,
+    preprocessed: Location,
+    out: Location,
+    scratch: Location,
+    listed: list[str] | None = None,
 ) -> tuple[ShardPlan, dict]:
     """Read the footers and the transform once: the plan of the shard tasks.
 
@@ -508,7 +529,7 @@ def plan_shards(
     """
     preprocessed, out, scratch = map(as_location, (preprocessed, out, scratch))
     transform = read_transform(join(preprocessed, "transform.json"))
-    sources = _find_sources(preprocessed, config.batch_rows)
+    sources = _find_sources(preprocessed, config.batch_rows, listed)
     dictionary = dictionary_columns(transform)
     units = []
     first = 0
@@ -598,6 +619,7 @@ def write_shards_distributed(
     scratch: Location,
     map_tasks: Callable[[Callable[[int], object], range], Iterator],
     on_progress: Callable[[int], None] | None = None,
+    listed: list[str] | None = None,
 ) -> ShardResult:
     """``write_shards`` as three passes of tasks; the same files, byte for byte.
 
@@ -610,6 +632,7 @@ def write_shards_distributed(
             results in index order (threads, or a Dask cluster through the task runner:
             ``fn`` is picklable and reads and writes only the locations above).
         on_progress: called with the number of rows sharded so far.
+        listed: the file names preprocess's signed manifest lists (`write_shards`).
 
     Returns:
         Rows per split and shard file names.
@@ -618,7 +641,7 @@ def write_shards_distributed(
         InputNotFoundError: the preprocessed tables or ``transform.json`` are missing.
         SchemaError: ``transform.json`` comes from another version of preprocess.
     """
-    plan, transform = plan_shards(config, preprocessed, out, scratch)
+    plan, transform = plan_shards(config, preprocessed, out, scratch, listed)
     try:
         counts = list(map_tasks(partial(scatter_unit, plan), range(len(plan.units))))
         jobs: list[tuple[int, list[int], int]] = []

@@ -7,6 +7,7 @@ at once; transient ones (I/O, a crashed rank) are retried with exponential
 backoff and jitter.
 """
 
+import logging
 import os
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
 from prefect.states import Completed, State
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel
@@ -29,13 +31,16 @@ from artifacts.errors import (
     TransientError,
 )
 from artifacts.fingerprint import code_version, fingerprint, module_closure
-from artifacts.locations import filesystem, is_remote, join, remove_tree
+from artifacts.locations import Location, check_name, is_remote, join, remove_tree
+from artifacts.signing import MisplacedRecord
 from artifacts.store import (
     ArtifactStore,
     Stage,
     check_remote_output,
     describe_object,
     materialize,
+    names_under,
+    output_manifest,
     remote_manifest,
 )
 
@@ -121,40 +126,74 @@ def run_stage(
         DeterministicError: from ``produce``; the partial output is kept under
             ``<root>/failed`` and named in the message.
     """
-    final = store.output_url(stage, fp)
     reused = _reuse(stage, fp, mode, store)
     if reused is not None:
         return reused
+    return _run_in_staging(stage, fp, store, lambda staging: (produce(staging), None))
 
+
+def _run_in_staging(
+    stage: Stage,
+    fp: str,
+    store: ArtifactStore,
+    produce: Callable[[Path], tuple[dict[str, Any], list[str] | None]],
+) -> StageOutput:
+    """Run ``produce`` into a fresh staging directory and publish it (`run_stage`).
+
+    ``produce`` returns the metadata and the files it wrote (None: the whole staging
+    directory, which only this user can write: `ArtifactStore.new_staging`).
+    """
     staging = store.new_staging(stage, fp)
     started = time.perf_counter()
     try:
-        meta = produce(staging)
+        meta, written = produce(staging)
     except DeterministicError as err:
         kept = store.keep_failed(stage, fp, staging)
         raise type(err)(f"{err} (partial output kept for inspection at {kept})") from err
     except BaseException:
         store.discard(staging)
         raise
-    store.publish(stage, fp, staging, meta)
+    try:
+        store.publish(stage, fp, staging, meta, written)
+    except CorruptOutput:
+        store.discard(staging)
+        raise
     return StageOutput(
         stage=stage,
         status="ran",
         fingerprint=fp,
-        output=final,
+        output=store.output_url(stage, fp),
         seconds=round(time.perf_counter() - started, 3),
         meta=meta,
     )
 
 
+def _run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect run logger; this module's logger when called outside a run (tests)."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
 def _reuse(stage: Stage, fp: str, mode: Mode, store: ArtifactStore) -> StageOutput | None:
-    """The skipped or cached outcome when the stage does not run, else None (it runs)."""
-    logger = get_run_logger()
+    """The skipped or cached outcome when the stage does not run, else None (it runs).
+
+    A manifest signed for another place (a genuine output copied here from another
+    fingerprint) or for none (written before records were bound) is no cache hit: the
+    refusal is logged as a warning naming both places, and the stage runs again; its
+    publish replaces the copy.
+    """
+    logger = _run_logger()
     final = store.output_url(stage, fp)
     if mode == "skip":
         return StageOutput(stage=stage, status="skipped", fingerprint=fp)
     if mode in ("auto", "reuse"):
-        manifest, why = store.verify(stage, fp)
+        try:
+            manifest, why = store.verify(stage, fp)
+        except MisplacedRecord as refused:
+            manifest, why = None, f"its manifest was refused: {refused}"
+            logger.warning("%s: not a cache hit, %s", stage, why)
         if manifest is not None:
             logger.info("%s: cache hit %s", stage, final)
             return StageOutput(
@@ -182,37 +221,48 @@ def run_stage_at(
 ) -> StageOutput:
     """`run_stage` for a data stage whose work runs on the task runner, maybe elsewhere.
 
-    With a local root this is `run_stage` (``produce`` gets a local staging directory).
-    With a remote root nothing goes through this machine's disk: ``produce`` gets a fresh
-    data prefix of the output (a URL) and its tasks write their files there themselves;
-    the objects are then described (size, sha256, rows) by tasks on the runner and the
-    manifest is written last, so a crash leaves no output that looks whole.
+    ``produce`` returns the metadata and the files it wrote, relative to its output: an
+    output is exactly those files. With a local root ``produce`` gets a local staging
+    directory, which must then hold exactly them. With a remote root nothing goes
+    through this machine's disk: ``produce`` gets a fresh data prefix of the output (a
+    URL) and its tasks write their files there themselves; the reported objects are then
+    described (size, sha256, rows) by tasks on the runner and the manifest is written
+    last, so a crash leaves no output that looks whole. An object under the prefix that
+    the stage did not report (someone else PUT it there while it ran) fails the publish:
+    it is never signed.
 
     Raises:
         InputNotFoundError: mode is ``reuse`` and there is no valid output.
         DeterministicError: from ``produce``; the partial objects are kept unpublished at
             the data prefix, named in the message.
+        CorruptOutput: The output holds a file the stage did not report writing.
     """
     if not store.remote:
-        return run_stage(stage, fp, mode, store, produce)
+        reused = _reuse(stage, fp, mode, store)
+        if reused is not None:
+            return reused
+        return _run_in_staging(stage, fp, store, produce)
     reused = _reuse(stage, fp, mode, store)
     if reused is not None:
         return reused
     data = store.new_data_prefix(stage, fp)
     started = time.perf_counter()
     try:
-        meta = produce(data)
-        urls = _written_objects(data)
+        meta, written = produce(data)
+        rels = sorted(set(written))
+        urls = [join(data, *check_name(rel, f"a file the {stage} stage wrote")) for rel in rels]
         described = list(prefect_file_mapper(stage)(partial(_describe_nth, urls), range(len(urls))))
     except DeterministicError as err:
         raise type(err)(f"{err} (partial output kept, unpublished, at {data})") from err
     except BaseException:
         remove_tree(data)
         raise
-    files = {
-        url.removeprefix(data + "/"): entry for url, entry in zip(urls, described, strict=True)
-    }
-    store.publish_prefix(stage, fp, data, files, meta)
+    files = dict(zip(rels, described, strict=True))
+    try:
+        store.publish_prefix(stage, fp, data, files, meta)
+    except CorruptOutput:
+        remove_tree(data)
+        raise
     return StageOutput(
         stage=stage,
         status="ran",
@@ -221,14 +271,6 @@ def run_stage_at(
         seconds=round(time.perf_counter() - started, 3),
         meta=meta,
     )
-
-
-def _written_objects(data: str) -> list[str]:
-    """The URLs of the objects under a data prefix, sorted."""
-    fs, path = filesystem(data)
-    fs.invalidate_cache(path)
-    prefix = path.rstrip("/") + "/"
-    return [join(data, name.removeprefix(prefix)) for name in sorted(fs.find(path))]
 
 
 def _describe_nth(urls: list[str], index: int) -> dict:
@@ -246,8 +288,36 @@ def data_location(output: StageOutput) -> Path | str:
         InputNotFoundError: The output is not published.
         CorruptOutput: An object changed since it was published (named in the message).
     """
+    return _verified_data(output)[0]
+
+
+def input_files(output: StageOutput, under: str, suffix: str) -> list[Location]:
+    """The files of a stage output that its signed manifest lists directly under `under`
+    (``"events"``; ``""`` for the top level) ending in `suffix`, sorted by name, as
+    locations to read (paths, or URLs under its data prefix).
+
+    A stage output is exactly its manifest: readers take their inputs from this list,
+    never from a directory listing, so a file planted beside the listed ones is never
+    read.
+
+    Raises:
+        InputNotFoundError: The output is not published.
+        CorruptOutput: An object changed since it was published (remote roots).
+        SignatureError: The manifest does not verify, or was signed for another place.
+    """
+    location, manifest = _verified_data(output)
+    return [join(location, rel) for rel in names_under(manifest, under, suffix)]
+
+
+def listed_names(output: StageOutput) -> list[str]:
+    """Every file name a stage output's signed manifest lists (relative to its data)."""
+    return sorted(_verified_data(output)[1]["files"])
+
+
+def _verified_data(output: StageOutput) -> tuple[Location, dict]:
+    """Where a stage output's files are, and its verified manifest (see `data_location`)."""
     if not is_remote(output.output):
-        return Path(output.output)
+        return Path(output.output), output_manifest(output.output)
     manifest = remote_manifest(output.output)
     if manifest is None:
         raise InputNotFoundError(
@@ -259,7 +329,7 @@ def data_location(output: StageOutput) -> Path | str:
             f"the {output.stage} output {output.output} has changed since it was published: "
             f"{problem}. Run it again with --force {output.stage}"
         )
-    return join(output.output, manifest.get("data", ""))
+    return join(output.output, manifest.get("data", "")), manifest
 
 
 def local_dir(output: StageOutput) -> Path:

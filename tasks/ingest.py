@@ -49,6 +49,8 @@ from tasks.common import (
 from tasks.progress import terminal_progress
 
 STATS_FILE = "stats.json"
+# combine_reports writes it beside the events and the quarantine.
+VALIDATION_FILE = "validation.json"
 
 
 def ingest_section(
@@ -88,9 +90,11 @@ def ingest_task(
     fp = stage_fingerprint("ingest", section, [])
     logger = get_run_logger()
 
-    def produce(out_dir: Location) -> dict:
+    def produce(out_dir: Location) -> tuple[dict, list[str]]:
         result = ingest_in_parallel(config, schema, out_dir)
-        findings = _check_drift(_previous_ingest(store, pipeline), out_dir, schema, drift)
+        events = [rel for rel in result.files if rel.startswith("events/")]
+        previous = _previous_ingest(store, pipeline)
+        findings = _check_drift(previous, out_dir, schema, drift, events)
         if findings and drift.policy == "fail":
             raise DataError(
                 f"dataset drift against the previous run (drift.policy=fail): "
@@ -101,7 +105,7 @@ def ingest_task(
             logger.warning(
                 "drift: %s %s %s", finding["column"], finding["check"], finding["detail"]
             )
-        return {
+        meta = {
             "rows": result.rows,
             "good_rows": result.good_rows,
             "bad_rows": result.bad_rows,
@@ -109,6 +113,9 @@ def ingest_task(
             "reasons": result.reasons,
             "drift": findings,
         }
+        # What this stage wrote, and all that its manifest may list (`run_stage_at`).
+        written = [*result.files, VALIDATION_FILE]
+        return meta, written + ([STATS_FILE] if drift.policy != "off" else [])
 
     output = run_stage_at("ingest", fp, mode, store, produce)
     store.record_latest(pipeline, "ingest", output.output)
@@ -252,7 +259,11 @@ def _previous_ingest(store: ArtifactStore, pipeline: str) -> str | None:
 
 
 def _check_drift(
-    previous: str | None, out_dir: Location, schema: SchemaConfig, drift: DriftConfig
+    previous: str | None,
+    out_dir: Location,
+    schema: SchemaConfig,
+    drift: DriftConfig,
+    events: list[str],
 ) -> list[dict]:
     """Write this run's stats.json; return findings against the previous output's.
 
@@ -261,10 +272,13 @@ def _check_drift(
         out_dir: This run's staging directory (a data prefix URL for a remote root).
         schema: The raw columns.
         drift: The drift checks.
+        events: The event files this run wrote (relative to `out_dir`): only those are
+            summarised, never an object someone else put under the data prefix.
     """
     if drift.policy == "off":
         return []
-    stats = compute_stats(join(out_dir, "events"), schema, drift.top_values)
+    files = [join(out_dir, rel) for rel in events]
+    stats = compute_stats(join(out_dir, "events"), schema, drift.top_values, files)
     locations.write_text(join(out_dir, STATS_FILE), json.dumps(stats, indent=1))
     if previous is None:
         return []

@@ -133,7 +133,7 @@ def plan_run(
             stage, basis.section, upstream, code_version(list(basis.modules), _ROOT)
         )
         published = store.is_published(stage, fps[stage])
-        changes = _changes(previous.get(stage), _basis_record(basis, fps, stage))
+        changes = _changes(_earlier(previous, stage), _basis_record(basis, fps, stage))
         mode = modes[stage]
         if mode == "skip":
             action, reason = "skip", "after the last --only stage"
@@ -145,7 +145,7 @@ def plan_run(
             reason += f"; output {store.output_url(stage, fps[stage])} exists"
         elif mode == "reuse":
             action, reason = "missing", "upstream of the selected stages, but never published"
-        elif stage not in previous:
+        elif _earlier(previous, stage) is None:
             action, reason = "run", "no earlier output of this pipeline at this root"
         elif changes:
             action, reason = "run", "its fingerprint changed"
@@ -224,6 +224,19 @@ def _basis_record(basis: StageBasis, fps: dict[Stage, str], stage: Stage) -> dic
     }
 
 
+def _earlier(previous: dict, stage: Stage) -> dict | None:
+    """The stage's entry of the last `plan.json`, or None when it has none of the right
+    shape. The record is a hint (`ArtifactStore.read_latest_json`); on a root without a
+    key it is not signed, so its shape is checked before the plan reads a field of it."""
+    entry = previous.get(stage)
+    fields = {"fingerprint": str, "section": dict, "upstream": dict, "code": dict}
+    if not isinstance(entry, dict) or any(
+        not isinstance(entry.get(name), kind) for name, kind in fields.items()
+    ):
+        return None
+    return entry
+
+
 def _changes(before: dict | None, now: dict) -> list[str]:
     """What differs between two basis records, most specific first."""
     if before is None or before["fingerprint"] == now["fingerprint"]:
@@ -245,7 +258,8 @@ def _changes(before: dict | None, now: dict) -> list[str]:
 def _section_changes(before: dict, now: dict, prefix: str) -> list[str]:
     changes = []
     if "inputs" in now or "inputs" in before:
-        changes += _input_changes(before.get("inputs", []), now.get("inputs", []))
+        was = before.get("inputs")
+        changes += _input_changes(was if isinstance(was, list) else [], now.get("inputs", []))
     old = _flatten(_without_inputs(before), prefix)
     new = _flatten(_without_inputs(now), prefix)
     for key in sorted(old.keys() | new.keys()):
@@ -256,8 +270,8 @@ def _section_changes(before: dict, now: dict, prefix: str) -> list[str]:
 
 
 def _input_changes(before: list[dict], now: list[dict]) -> list[str]:
-    old = {f.get("name", f.get("path")): f for f in before}
-    new = {f.get("name", f.get("path")): f for f in now}
+    old = {f.get("name", f.get("path")): f for f in before if isinstance(f, dict)}
+    new = {f.get("name", f.get("path")): f for f in now if isinstance(f, dict)}
     changes = [f"raw file added: {p}" for p in sorted(new.keys() - old.keys())]
     changes += [f"raw file removed: {p}" for p in sorted(old.keys() - new.keys())]
     changes += [

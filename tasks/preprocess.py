@@ -14,6 +14,7 @@ from tasks.common import (
     StageOutput,
     as_state,
     data_location,
+    input_files,
     prefect_file_mapper,
     run_stage_at,
     stage_fingerprint,
@@ -63,7 +64,9 @@ def preprocess_task(
     section = preprocess_section(config, schema, partition, parent)
     fp = stage_fingerprint("preprocess", section, [ingest])
 
-    def produce(out_dir: Path | str) -> dict:
+    def produce(out_dir: Path | str) -> tuple[dict, list[str]]:
+        # Only the event files ingest's signed manifest lists, never a directory listing.
+        events = input_files(ingest, "events", ".parquet")
         with terminal_progress("preprocess rows", ingest.meta.get("good_rows")) as advance:
             result = preprocess_events(
                 config,
@@ -74,8 +77,9 @@ def preprocess_task(
                 map_files=prefect_file_mapper("preprocess"),
                 partition=partition,
                 parent=parent.transform() if parent is not None else None,
+                files=events,
             )
-        return {
+        meta = {
             "rows": result.rows,
             "vocab_sizes": result.vocab_sizes,
             "valid_start_ts": result.valid_start_ts,
@@ -86,6 +90,7 @@ def preprocess_task(
             **({"partitions": result.partitions} if result.partitions else {}),
             **({"vocabulary": result.vocabulary} if result.vocabulary else {}),
         }
+        return meta, result.files
 
     output = run_stage_at("preprocess", fp, mode, store, produce)
     if output.status != "skipped":

@@ -19,12 +19,16 @@ from tasks.common import (
     StageOutput,
     as_state,
     data_location,
+    listed_names,
     prefect_file_mapper,
     run_stage_at,
     stage_fingerprint,
     task_options,
 )
 from tasks.progress import terminal_progress
+
+# write_shards writes it beside the shards: the dataset description training reads.
+DATASET_FILE = "dataset.json"
 
 
 @task(name="shard", task_run_name="shard", **task_options())
@@ -34,12 +38,14 @@ def shard_task(
     """Write balanced, shuffled train/valid/test shards and dataset.json."""
     fp = stage_fingerprint("shard", config.model_dump(), [preprocess])
 
-    def produce(out_dir: Path | str) -> dict:
+    def produce(out_dir: Path | str) -> tuple[dict, list[str]]:
         total = sum(preprocess.meta.get("rows", {}).values()) or None
         source = data_location(preprocess)
+        # Only the tables preprocess's signed manifest lists, never a directory listing.
+        listed = listed_names(preprocess)
         with terminal_progress("shard rows", total) as advance:
             if isinstance(out_dir, Path):
-                result = write_shards(config, source, out_dir, on_progress=advance)
+                result = write_shards(config, source, out_dir, on_progress=advance, listed=listed)
             else:
                 scratch = f"{out_dir}-scratch"
                 try:
@@ -50,10 +56,12 @@ def shard_task(
                         scratch,
                         prefect_file_mapper("shard"),
                         on_progress=advance,
+                        listed=listed,
                     )
                 finally:
                     remove_tree(scratch)
-        return {"rows": result.rows, "shards": result.shards}
+        written = [name for names in result.shards.values() for name in names]
+        return {"rows": result.rows, "shards": result.shards}, [*written, DATASET_FILE]
 
     output = run_stage_at("shard", fp, mode, store, produce)
     if output.status != "skipped":

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from artifacts.errors import ConfigError
+from artifacts.store import listed_files
 from training.blessing import BlessConfig, MetricThreshold, thresholds_for
 from training.config import SEQUENCE_MODELS, EvaluateConfig, ExportConfig, TrainConfig
 from training.runtime.hosts import check_ssh_hosts, read_hostfile
@@ -276,6 +277,8 @@ def export(
             "top_k_match_torchscript": result.top_k_match_torchscript,
             **_diffs(result),
         }
+    # Only the event files ingest's signed manifest lists, never a directory listing.
+    events = listed_files(upstream("ingest"), "events", ".parquet") if infra_validate else None
     result = export_model(
         config,
         upstream("train"),
@@ -283,7 +286,7 @@ def export(
         _data_dir(model, upstream),
         metrics,
         out_dir,
-        events_dir=upstream("ingest") / "events" if infra_validate else None,
+        events_dir=events,
         evaluate_dir=upstream("evaluate"),
     )
     infra = result.infra_validation

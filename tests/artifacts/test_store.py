@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from artifacts.errors import CorruptOutput
+from artifacts.errors import CorruptOutput, SignatureError
 from artifacts.fingerprint import fingerprint
 from artifacts.store import CHAOS_PUBLISH_FAULT, MANIFEST, PUBLISH_POINTS, ArtifactStore
 
@@ -67,7 +67,7 @@ def test_verify_refuses_a_published_output_that_changed(tmp_path):
     with pytest.raises(CorruptOutput, match="missing"):
         store.verify("ingest", "0" * 64)
     (out / MANIFEST).write_text("{")
-    with pytest.raises(CorruptOutput, match="not a valid manifest"):
+    with pytest.raises(SignatureError, match="not valid JSON"):
         store.verify("ingest", "0" * 64)
     (out / MANIFEST).unlink()
     with pytest.raises(CorruptOutput, match="_manifest.json is missing"):
@@ -150,6 +150,7 @@ def test_run_record_and_registry(tmp_path):
     assert path == tmp_path / "runs" / "r1" / "summary.json"
     record = json.loads(path.read_text())
     assert record.pop("signature")["key_id"]
+    assert record.pop("place") == {"type": "run-record", "run_id": "r1"}
     assert record == {"status": "completed"}
     staging = store.new_staging("export", "e" * 64)
     (staging / "model.onnx").write_bytes(b"onnx")
@@ -160,8 +161,8 @@ def test_run_record_and_registry(tmp_path):
 
 def test_a_package_without_a_verified_manifest_is_not_published(tmp_path):
     store = ArtifactStore(tmp_path)
-    package = tmp_path / "pkg"
-    package.mkdir()
+    package = tmp_path / "stages" / "export" / ("e" * 64)
+    package.mkdir(parents=True)
     (package / "model.onnx").write_bytes(b"onnx")
     with pytest.raises(CorruptOutput, match="_manifest.json is missing"):
         store.publish_model("ctr", "abc", package)

@@ -58,6 +58,7 @@ from training.ctr.model import CTRModel, load_model
 from training.ctr.package import (
     INFRA_VALIDATION_FILE,
     SCORER_FILE,
+    event_files,
     infra_validate,
     raw_test_records,
     with_unseen_records,
@@ -125,7 +126,7 @@ def export_model(
     shards_dir: Path,
     metrics_path: Path | None,
     out_dir: Path,
-    events_dir: Path | None = None,
+    events_dir: Path | list[Path] | None = None,
     evaluate_dir: Path | None = None,
 ) -> ExportResult:
     """Write the model package and check that ONNX and TorchScript match torch.
@@ -143,7 +144,9 @@ def export_model(
         shards_dir: The shard directory (feature names; test rows for parity).
         metrics_path: The evaluation's metrics.json for the model card, or None.
         out_dir: The package directory; created if missing.
-        events_dir: Ingest's `events` directory (the clean events the shards were made
+        events_dir: The event files ingest's signed manifest lists under `events/` (the
+            stage layer passes them: `artifacts.store.listed_files`), or ingest's `events`
+            directory when only this process wrote it (the clean events the shards were made
             from), or None to skip infra validation.
         evaluate_dir: The evaluate stage's output (metrics.json, scores_head.npy), the
             reference of infra validation; None compares with the trained model only.
@@ -236,7 +239,7 @@ def _infra_validation(
     meta: DatasetMeta,
     transform_path: Path,
     shards_dir: Path,
-    events_dir: Path,
+    events_dir: Path | list[Path],
     evaluate_dir: Path | None,
     out_dir: Path,
 ) -> dict[str, Any]:
@@ -255,7 +258,7 @@ def _validation_records(
     meta: DatasetMeta,
     transform_path: Path,
     shards_dir: Path,
-    events_dir: Path,
+    events_dir: Path | list[Path],
     split: str,
 ) -> tuple[list[dict], np.ndarray, int]:
     """Raw records for infra validation and the trained model's scores of them.
@@ -270,7 +273,7 @@ def _validation_records(
     )
     records = with_unseen_records(test_records, transform, config.infra_validation_unseen)
     # Typed as ingest wrote the events; nullable, since unseen records miss dense values.
-    event_schema = pq.read_schema(sorted(Path(events_dir).glob("*.parquet"))[0])
+    event_schema = pq.read_schema(event_files(events_dir)[0])
     nullable = pa.schema([field.with_nullable(True) for field in event_schema])
     transformed = TransformApplier(transform)(pa.Table.from_pylist(records, schema=nullable))
     batch = to_batch(transformed, meta)

@@ -21,6 +21,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ def write_scorer(package_dir: Path) -> Path:
 
 
 def raw_test_records(
-    events_dir: Path,
+    events_dir: Path | Sequence[Path],
     shards_dir: Path,
     meta: DatasetMeta,
     transform: dict,
@@ -94,7 +95,8 @@ def raw_test_records(
     the rows whose scores the evaluate stage saves (`scores_head.npy`).
 
     Args:
-        events_dir: Ingest's `events` directory (clean typed events).
+        events_dir: The clean typed event files ingest's manifest lists under `events/`
+            (`event_files`), or, for a directory only this process wrote, that directory.
         shards_dir: The shard directory.
         meta: Its dataset description.
         transform: The fitted transform the shards were made with.
@@ -112,7 +114,7 @@ def raw_test_records(
     columns = model_columns(meta, list(meta.labels))
     tables = iter_tables(shards_dir, meta, split, 0, 1, rows, [*columns, ts_name], False)
     shard_rows = next(iter(tables), None)
-    files = sorted(Path(events_dir).glob("*.parquet"))
+    files = event_files(events_dir)
     if shard_rows is None or not files:
         raise DataError(f"no {split} rows in {shards_dir} or no event files in {events_dir}")
     wanted = shard_rows.to_pylist()
@@ -138,6 +140,16 @@ def raw_test_records(
         f"only {len(records)} of the first {len(keys)} {split} rows of {shards_dir} were found "
         f"among the events of {events_dir}; pass the ingest output these shards were made from"
     )
+
+
+def event_files(events: Path | Sequence[Path]) -> list[Path]:
+    """The event files to read: the given list, which the stage layer takes from ingest's
+    signed manifest (`artifacts.store.listed_files`: a file planted beside the listed
+    ones is never read), or, given a directory only this process wrote (tests), its
+    ``*.parquet`` files, in name order."""
+    if isinstance(events, Path | str):
+        return sorted(Path(events).glob("*.parquet"))
+    return sorted(Path(path) for path in events)
 
 
 def _row_groups_within(parquet: pq.ParquetFile, ts_name: str, low: int, high: int) -> list[int]:
