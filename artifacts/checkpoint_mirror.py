@@ -5,6 +5,10 @@ with an object-store artifact root the train task pulls the newest remote checkp
 that verifies before they start, and uploads each committed one while they run, so a
 retry on another machine resumes from the store. Object storage has no rename: a remote
 checkpoint is committed when its manifest object exists (uploaded last).
+
+Every checkpoint manifest is bound to its place, the run's resume key and its step
+(`artifacts.checkpoints`): one copied from another run's prefix, or from another step,
+is neither pulled nor read for its meta (the world size a retry refits to).
 """
 
 import json
@@ -15,7 +19,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from artifacts.checkpoints import MANIFEST, CheckpointStore, checkpoint_name, parse_step
+from artifacts.checkpoints import (
+    MANIFEST,
+    CheckpointStore,
+    checkpoint_name,
+    checkpoint_place,
+    parse_step,
+)
 from artifacts.errors import DeterministicError
 from artifacts.locations import (
     backend_errors,
@@ -27,7 +37,7 @@ from artifacts.locations import (
     remove_tree,
     upload_files,
 )
-from artifacts.signing import loads_verified
+from artifacts.signing import SignatureError, loads_verified
 
 # How often the mirror looks for newly committed checkpoints to upload.
 MIRROR_EVERY_S = 1.0
@@ -41,14 +51,29 @@ class CheckpointMirror:
         url: Where the checkpoints go, ``<root>/checkpoints/train/<fp>``.
         keep: How many committed checkpoints the remote side keeps.
         log: Receives one line per download, upload or skipped checkpoint.
+        fingerprint: The run's resume key, which every checkpoint manifest must be
+            signed for (`CheckpointStore`'s `fingerprint`); default: the last name of
+            `url` (``<key>``), which the ranks writing into `local_root` must use too.
     """
 
-    def __init__(self, local_root: Path, url: str, keep: int, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        local_root: Path,
+        url: str,
+        keep: int,
+        log: Callable[[str], None],
+        fingerprint: str | None = None,
+    ) -> None:
         self.local_root = local_root
         self.url = url
         self.keep = keep
         self._log = log
+        self.fingerprint = url_key(url) if fingerprint is None else fingerprint
         self._uploaded: set[int] = set()
+        self._refused: set[int] = set()
+
+    def _local_store(self) -> CheckpointStore:
+        return CheckpointStore(self.local_root, fingerprint=self.fingerprint)
 
     def pull(self, exact: bool = False) -> int | None:
         """Download the newest remote checkpoint that verifies, unless one as new is local.
@@ -98,10 +123,14 @@ class CheckpointMirror:
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
         where = join(self._remote(step), MANIFEST)
-        text = read_text_or_none(where) or ""
         try:
-            # Signed by the run key, every name plain, before a single byte is fetched.
-            files = list(loads_verified(text, str(where))["files"])
+            # Signed by the run key for this run and step, every name plain, before a
+            # single byte is fetched.
+            text = read_text_or_none(where) or ""
+            manifest = loads_verified(
+                text, str(where), place=checkpoint_place(self.fingerprint, step)
+            )
+            files = list(manifest["files"])
             for rel in files:
                 check_name(rel, f"a file listed in {where}")
         except (DeterministicError, KeyError, TypeError) as err:
@@ -110,7 +139,7 @@ class CheckpointMirror:
             return False
         download_files(self._remote(step), files, scratch)
         (scratch / MANIFEST).write_text(text)
-        problem = CheckpointStore(self.local_root).verify(scratch)
+        problem = self._local_store().verify(scratch)
         if problem is not None:
             self._log(f"checkpoint {self._remote(step)} does not verify ({problem}); skipped")
             shutil.rmtree(scratch)
@@ -124,10 +153,14 @@ class CheckpointMirror:
     def _pull_pinned(self, step: int) -> None:
         """Download the checkpoints local checkpoint `step` pins (its best validation
         step), which the resumed run needs besides it; missing ones are logged."""
-        manifest = self.local_root / checkpoint_name(step) / MANIFEST
-        if not manifest.is_file():
+        path = self.local_root / checkpoint_name(step)
+        if not (path / MANIFEST).is_file():
             return
-        pinned = json.loads(manifest.read_text()).get("meta", {}).get("pinned", [])
+        try:
+            pinned = _pinned_steps(self._local_store().manifest(path))
+        except SignatureError as err:
+            self._log(f"checkpoint {path} is refused ({err}); its pinned steps are not pulled")
+            return
         for pin in sorted(set(pinned) - set(self._local_steps())):
             if self._download(pin):
                 self._log(f"pinned checkpoint of step {pin} downloaded from {self._remote(pin)}")
@@ -141,10 +174,20 @@ class CheckpointMirror:
         an unfinished upload, never a resume point.
         """
         for step in sorted(self._local_steps()):
-            if step in self._uploaded:
+            if step in self._uploaded or step in self._refused:
                 continue
             path = self.local_root / checkpoint_name(step)
             remote = self._remote(step)
+            try:
+                # Only what this run's readers accept: a checkpoint signed for another
+                # run (a misnamed local root) would be refused by every reader anyway.
+                self._local_store().manifest(path)
+            except SignatureError as err:
+                if not (path / MANIFEST).exists():
+                    continue  # local retention removed it: a newer one exists
+                self._refused.add(step)
+                self._log(f"checkpoint {path} is not uploaded to {remote}: {err}")
+                continue
             try:
                 manifest = (path / MANIFEST).read_text()
                 fs, remote_path = filesystem(remote)
@@ -234,22 +277,46 @@ class CheckpointMirror:
     def _pinned(self, step: int) -> set[int]:
         """The steps checkpoint `step`'s meta pins against retention."""
         where = join(self._remote(step), MANIFEST)
-        text = read_text_or_none(where) or "{}"
         try:
-            meta = loads_verified(text, str(where)).get("meta", {})
-            return {int(s) for s in meta.get("pinned", [])}
-        except (DeterministicError, ValueError, TypeError, AttributeError):
+            text = read_text_or_none(where) or "{}"
+            return _pinned_steps(
+                loads_verified(text, str(where), place=checkpoint_place(self.fingerprint, step))
+            )
+        except DeterministicError:
             return set()
 
 
-def newest_checkpoint_meta(location: str) -> tuple[int, dict] | None:
+def _pinned_steps(manifest: dict) -> set[int]:
+    """The steps a verified checkpoint manifest's meta pins; none when malformed."""
+    meta = manifest.get("meta")
+    pinned = meta.get("pinned", []) if isinstance(meta, dict) else []
+    if not isinstance(pinned, list):
+        return set()
+    return {step for step in pinned if isinstance(step, int) and not isinstance(step, bool)}
+
+
+def url_key(location: str | Path) -> str:
+    """The last name of a checkpoint root (``checkpoints/train/<key>``): its resume key."""
+    return str(location).rstrip("/").rsplit("/", 1)[-1]
+
+
+def newest_checkpoint_meta(
+    location: str, fingerprint: str | None = None
+) -> tuple[int, dict] | None:
     """(step, meta) of the newest committed checkpoint under `location` whose manifest
-    is signed by the run key; None when there is none.
+    is signed by the run key for this run and that step; None when there is none.
 
     `location` is a local checkpoint root or a `checkpoints/train/<key>` URL. Only the
-    manifest is read (the ranks verify every file before they load one); an unsigned or
-    forged manifest is passed over, as the ranks and `CheckpointMirror.pull` would.
+    manifest is read (the ranks verify every file before they load one); an unsigned,
+    forged, unparsable or relocated manifest (another run's, or another step's under
+    this step's name) is passed over, as the ranks and `CheckpointMirror.pull` would:
+    the world size a retry refits its layout to comes only from this run's own.
+
+    Args:
+        location: The checkpoint root.
+        fingerprint: The run's resume key; default: the last name of `location`.
     """
+    fingerprint = url_key(location) if fingerprint is None else fingerprint
     fs, path = filesystem(location)
     fs.invalidate_cache(path)
     if not fs.exists(path):
@@ -264,11 +331,13 @@ def newest_checkpoint_meta(location: str) -> tuple[int, dict] | None:
     )
     for step in steps:
         where = join(location, checkpoint_name(step), MANIFEST)
-        text = read_text_or_none(where)
-        if text is None:
-            continue  # not committed
         try:
-            meta = loads_verified(text, str(where)).get("meta")
+            text = read_text_or_none(where)
+            if text is None:
+                continue  # not committed
+            meta = loads_verified(text, str(where), place=checkpoint_place(fingerprint, step)).get(
+                "meta"
+            )
         except DeterministicError:
             continue
         if isinstance(meta, dict):

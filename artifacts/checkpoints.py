@@ -15,8 +15,13 @@ Layout under `root` (one training run, one save in flight at a time):
       latest                    "step-00000200\\n": the newest commit, a hint only
 
 `_manifest.json` holds {"step", "meta", "files": {relpath: {"size", "sha256"}},
-"created", "signature"} (the run key's HMAC, `artifacts.signing`: without a valid one
-no file of the checkpoint is trusted, so DeepSpeed's unpickling loader never sees it).
+"created", "place", "signature"} (the run key's HMAC, `artifacts.signing`: without a
+valid one no file of the checkpoint is trusted, so DeepSpeed's unpickling loader never
+sees it). Its place is ``place("checkpoint", fingerprint=<the run's resume key>,
+step=<step>)``: a manifest copied from another run's checkpoints, or from another step,
+is refused wherever it is read, naming both places. The resume key is the store's
+`fingerprint` (by default the name of `root`, which the train task names by it:
+``checkpoints/train/<key>``).
 It is written (and fsynced) last inside the staging directory, and the
 rename of the staging directory to `root/step-NNNNNNNN` is the commit point: a
 directory under `root` named like a step either holds a complete manifest or was
@@ -62,8 +67,8 @@ from typing import Any
 
 from artifacts.durable import file_sha256, fsync_dir
 from artifacts.errors import ConfigError, DataError, InputNotFoundError
-from artifacts.locations import UnsafeName, safe_join
-from artifacts.signing import SignatureError, sign, verify
+from artifacts.locations import UnsafeName, read_text_or_none, safe_join
+from artifacts.signing import SignatureError, loads_verified, place, sign
 
 MANIFEST = "_manifest.json"
 POINTER = "latest"
@@ -159,6 +164,11 @@ class CheckpointStore:
         fault: Test hook, called with each name in `FAULT_POINTS` as `commit` passes it.
         pinned: Steps retention never removes, besides the `keep` newest (e.g. the
             best validation checkpoint); see `pin`.
+        fingerprint: The resume key of the run these checkpoints belong to: every
+            manifest is signed for it (and its step), and one signed for another run
+            is refused. Default: the name of `root` (the train task's
+            ``checkpoints/train/<key>``); give it explicitly where `root` is named
+            otherwise, the same for the ranks that write and every reader.
 
     Raises:
         ConfigError: If `keep` < 1.
@@ -171,6 +181,7 @@ class CheckpointStore:
         log: Callable[[str], None] | None = None,
         fault: Callable[[str], None] | None = None,
         pinned: Iterable[int] = (),
+        fingerprint: str | None = None,
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(
@@ -182,10 +193,30 @@ class CheckpointStore:
         self._log = log if log is not None else _logger.warning
         self._fault = fault
         self._pinned = frozenset(pinned)
+        self.fingerprint = self.root.name if fingerprint is None else fingerprint
 
     def with_fault(self, fault: Callable[[str], None]) -> CheckpointStore:
         """The same store with the test hook `fault` (see `__init__`)."""
-        return CheckpointStore(self.root, self.keep, self._log, fault, self._pinned)
+        return CheckpointStore(
+            self.root, self.keep, self._log, fault, self._pinned, self.fingerprint
+        )
+
+    def place_of(self, step: int) -> dict[str, str]:
+        """The place the manifest of `step`'s checkpoint is signed for."""
+        return checkpoint_place(self.fingerprint, step)
+
+    def manifest(self, path: Path) -> dict[str, Any]:
+        """The manifest of the checkpoint directory `path`, its signature and place
+        checked (not its files: see `verify`); for the ranks that read the meta of the
+        checkpoint rank 0 verified whole.
+
+        Raises:
+            SignatureError: It is missing, over its size cap, does not parse, is unsigned
+                or forged.
+            MisplacedRecord: It was signed for another run's checkpoint or another step
+                (a copy), or for none.
+        """
+        return _read_manifest(Path(path), self.fingerprint)
 
     def pin(self, steps: Iterable[int]) -> None:
         """Keep these steps' checkpoints through retention (replacing earlier pins).
@@ -307,7 +338,8 @@ class CheckpointStore:
                 "meta": meta_json,
                 "files": files,
                 "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            }
+            },
+            place=self.place_of(step),
         )
         data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
         # Written in two fsynced halves so "mid-manifest" leaves a real torn file on
@@ -359,10 +391,11 @@ class CheckpointStore:
 
         Returns:
             None if valid, else why not: not a directory, missing or unreadable
-            manifest, manifest step not matching the name, missing file, size
-            mismatch, or sha256 mismatch, naming the file.
+            manifest, a manifest signed for another run or step (naming both places),
+            manifest step not matching the name, missing file, size mismatch, or
+            sha256 mismatch, naming the file.
         """
-        return _check(Path(path), hashes=True)[1]
+        return _check(Path(path), self.fingerprint, hashes=True)[1]
 
     def latest_valid(self, *, strict: bool = False) -> Checkpoint | None:
         """The newest committed checkpoint that verifies, by step number.
@@ -393,7 +426,7 @@ class CheckpointStore:
         rejected: list[tuple[str, str]] = []
         found: Checkpoint | None = None
         for step, path in reversed(self._committed()):
-            manifest, reason = _check(path, hashes=True)
+            manifest, reason = _check(path, self.fingerprint, hashes=True)
             if reason is None and manifest is not None:
                 found = Checkpoint(path=path, step=step, meta=manifest["meta"])
                 break
@@ -431,7 +464,7 @@ class CheckpointStore:
         cutoff: int | None = None
         committed = self._committed()
         for step, path in reversed(committed):
-            if _check(path, hashes=False)[1] is None:
+            if _check(path, self.fingerprint, hashes=False)[1] is None:
                 valid += 1
                 if valid == self.keep:
                     cutoff = step
@@ -487,27 +520,49 @@ class CheckpointStore:
             )
 
 
-def _check(path: Path, hashes: bool) -> tuple[dict[str, Any] | None, str | None]:
+def checkpoint_place(fingerprint: str, step: int) -> dict[str, str]:
+    """The place of the checkpoint of `step` of the run with resume key `fingerprint`."""
+    return place("checkpoint", fingerprint=fingerprint, step=step)
+
+
+def _read_manifest(path: Path, fingerprint: str) -> dict[str, Any]:
+    """The manifest of checkpoint directory `path`, read (up to its cap), parsed and
+    verified: signed, and bound to `fingerprint` and the step `path` is named for.
+
+    Raises:
+        SignatureError: Missing, unreadable, not a checkpoint's name, or `verify` refuses
+            it (`MisplacedRecord`: signed for another place, or none).
+    """
+    where = path / MANIFEST
+    step = parse_step(path.name)
+    if step is None:
+        raise SignatureError(f"{path} is not named like a checkpoint (step-NNNNNNNN)")
+    try:
+        text = read_text_or_none(where)
+    except OSError as err:
+        raise SignatureError(f"unreadable {where}: {err.strerror}") from err
+    if text is None:
+        raise SignatureError(f"missing {where} (the save did not finish, or it was deleted)")
+    # The signature and place first: a file's sha256 proves nothing when whoever could
+    # replace the file could rewrite the manifest too. DeepSpeed's loader unpickles what
+    # a verified manifest lists, and only that.
+    return loads_verified(text, str(where), place=checkpoint_place(fingerprint, step))
+
+
+def _check(path: Path, fingerprint: str, hashes: bool) -> tuple[dict[str, Any] | None, str | None]:
     """(manifest, None) if `path` matches its manifest, else (None, reason).
 
     Without `hashes` only presence and sizes are checked (cheap: no file is read).
     """
     if not path.is_dir():
         return None, f"{path} is not a directory"
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
+    if not (path / MANIFEST).exists():
         return None, f"missing {MANIFEST} (the save did not finish, or it was deleted)"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        return None, f"unreadable {MANIFEST}: {err}"
     try:
-        # The signature first: a file's sha256 proves nothing when whoever could replace
-        # the file could rewrite the manifest too. DeepSpeed's loader unpickles what a
-        # verified manifest lists, and only that.
-        verify(manifest, f"{path / MANIFEST}")
+        manifest = _read_manifest(path, fingerprint)
     except SignatureError as err:
         return None, str(err)
-    files = manifest.get("files") if isinstance(manifest, dict) else None
+    files = manifest.get("files")
     if not isinstance(files, dict) or not isinstance(manifest.get("meta"), dict):
         return None, f"malformed {MANIFEST}: needs a 'files' and a 'meta' object"
     if manifest.get("step") != parse_step(path.name):

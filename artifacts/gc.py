@@ -1,9 +1,10 @@
 """Garbage collection of an artifact root: delete what no kept run, model or running flow needs.
 
 Reads: the whole root's listing (one walk locally, one recursive listing remotely), the
-run records, the registry's version names and CHAMPION, the `latest/` pointers, the
-leases of running flows (`artifacts.lease`) and, for each kept remote output, its
-manifest. Deletes (unless dry run), by category, in this order:
+run records, the registry's version names, CHAMPION, each version's package manifest
+and `lineage.json`, the `latest/` pointers and records, the leases of running flows
+(`artifacts.lease`) and, for each kept remote output, its manifest. Deletes (unless dry
+run), by category, in this order:
 
 - run records, `runs/<id>/`: those not among the newest `keep_runs` (by run id, which
   starts with the run's start time) and older than the age limit;
@@ -30,8 +31,12 @@ What is kept (the roots):
   keeps the export output it was published from (`stages/export/<fp>`, the version
   being `fp[:12]`), so that the export stage stays a cache hit and a rerun never
   republishes (replaces) a registered package;
+- the stage outputs each registry version's `lineage.json` names (its train output
+  above all: the next warm start from that version loads it), however many runs
+  came since;
 - the output each `latest/<pipeline>/<stage>.json` pointer names (the baseline the next
-  run's drift check reads);
+  run's drift check reads), and the fingerprints other `latest/` records hold (the
+  last plan of each pipeline);
 - nothing younger than the age limit, whatever it is ("older than" means: its newest
   file was last written longer ago than the limit);
 - while a lease is live (`artifacts.lease`): no stage output the lease names or that was
@@ -43,21 +48,44 @@ What is kept (the roots):
 The bucket is not trusted (docs/security.md), so whatever gc reads back from it can only
 make it keep more, never delete more:
 
+- the keep set comes from records that verify for their place (`artifacts.signing`):
+  a run record for ``place("run-record", run_id)``, a pointer for ``place("latest",
+  pipeline, name)``, CHAMPION for ``place("champion", model)``, a package manifest for
+  ``place("package", model, version)`` (and `lineage.json` against its sha256 there), a
+  lease for ``place("lease", run_id)``; a record copied from elsewhere is refused;
+- a record that does not verify (unsigned, forged, copied from another place, written
+  before records were bound, too large, or one that does not parse) keeps every output
+  it could have named, of any age (a run names the cache hits an older run wrote): a run
+  record, a package or a plan every stage output, a `<stage>.json` pointer every output
+  of its stage, CHAMPION every export output. The run record itself is not deleted and
+  does not count among the newest. A lease that does not verify counts as live while its
+  object is fresh and then keeps every stage output (as a wrong or missing run key would
+  otherwise make every real lease look forged). Each is logged once and named in the
+  report's notes, with what it made gc keep;
+- a data prefix is deleted only when the manifest beside it verifies for that very
+  output (``place("stage-output", stage, fp)``): a manifest copied from another output
+  names that output's prefix, and would make this output's own look like garbage;
+- every read has a size cap (`_POINTER_BYTES`, `_RECORD_BYTES`, a manifest
+  `locations.MAX_RECORD_BYTES`): an object planted too large, not UTF-8, or nested or
+  numbered to break the parser is a record that does not verify, never a crash;
 - names read back (record fingerprints, versions, pointer targets, lease fingerprints)
   are only compared with names gc listed itself; they are never joined into a location;
 - every deletion is a name from gc's own listing, through `safe_join` under the root
-  (a symlink out of a local root is refused);
-- a run record that does not verify (unsigned, forged, or a signed record copied to
-  another run id) is not deleted, does not count among the newest, and keeps every
-  fingerprint its text holds; a lease that does not verify counts as live while its
-  object is fresh and then keeps every stage output (as a wrong or missing run key
-  would otherwise make every real lease look forged). Each is logged once.
+  (a symlink out of a local root is refused).
+
+With a run key, records signed before they were bound to their place (recforge before
+issue 38) do not verify either, so on such a root gc keeps more until they are replaced
+or removed, and its notes name each one: a past run's record (delete `runs/<id>/` by
+hand once it is not needed), a package (export it again: `recforge run CONFIG --force
+export`), a pointer or plan (the pipeline's next run writes it again), CHAMPION (promote
+again).
 
 Nothing read back is unpickled; records are JSON.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -74,7 +102,7 @@ from typing import Any
 
 from artifacts.errors import ConfigError, InputNotFoundError
 from artifacts.fingerprint import FINGERPRINT
-from artifacts.lease import LEASES, STALE_AFTER_S
+from artifacts.lease import LEASES, STALE_AFTER_S, lease_place
 from artifacts.locations import (
     UnsafeName,
     backend_errors,
@@ -84,9 +112,9 @@ from artifacts.locations import (
     read_text_or_none,
     safe_join,
 )
-from artifacts.registry import CHAMPION
-from artifacts.signing import SignatureError, loads_verified
-from artifacts.store import MANIFEST, STAGES, ArtifactStore, remote_manifest
+from artifacts.registry import CHAMPION, DECISIONS
+from artifacts.signing import SignatureError, place, read_verified
+from artifacts.store import MANIFEST, STAGES, ArtifactStore
 
 # In the order gc reports and deletes them.
 CATEGORIES = (
@@ -107,6 +135,17 @@ _STAGING = (".staging-", ".trash-")
 # What gc renames a directory to before deleting it (readers see it gone at once).
 _TOMB = ".gc-"
 _KEY = re.compile(r"[0-9a-f]{16,64}")
+# Size caps of what gc reads back (a manifest gets `locations.MAX_RECORD_BYTES`): a
+# `latest/<pipeline>/<stage>.json` pointer, a lease or CHAMPION is a few lines; a run
+# record, other `latest/` JSON (the plan's) and a package's lineage.json are larger.
+_POINTER_BYTES = 64 << 10
+_RECORD_BYTES = 8 << 20
+# The package file that names the stage outputs a registry version was made from
+# (`tasks.incremental.LINEAGE`; `artifacts` imports no task module).
+_LINEAGE = "lineage.json"
+# The report holds at most this many notes about records that do not verify (each is
+# logged; a bucket full of planted records must not make the report unbounded).
+_MAX_NOTES = 100
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -271,8 +310,19 @@ class _Collector:
         self.report = GcReport(root=store.url, dry_run=False)
         self.leases: list[_Lease] = []
         self._lease_listing: dict[str, float] = {}
-        # What the kept run records name (and those that do not verify: keeping more).
+        # What the kept run records name.
         self.record_fingerprints: set[str] = set()
+        # What the lineage of registry versions names (`_read_registry`).
+        self.lineage_fingerprints: set[str] = set()
+        # What verified `latest/` records name.
+        self.pointed: set[str] = set()
+        # Stages every output of which is kept: a record that could have named any of
+        # them does not verify (a run record, a pointer, a package, CHAMPION).
+        self.keep_stages: set[str] = set()
+        # The records this report has named as unverifiable, and how many more it left
+        # out (over `_MAX_NOTES`).
+        self._told: set[str] = set()
+        self._untold = 0
 
     def run(self, keep_runs: int, dry_run: bool) -> GcReport:
         self.report.dry_run = dry_run
@@ -286,9 +336,16 @@ class _Collector:
             sum(not x.verified for x in self.leases),
         )
         doomed = self._doomed_records(units, keep_runs)
-        doomed += self._doomed_outputs(units, *self._kept_by_registry_and_pointers(index))
+        versions = self._read_registry(index)
+        self._read_latest(index)
+        doomed += self._doomed_outputs(units, versions)
         doomed += self._doomed_rest(units)
         doomed.sort(key=lambda unit: (CATEGORIES.index(unit.category), unit.location))
+        if self._untold:
+            self.report.notes.append(
+                f"... and {self._untold} more records that do not verify (each is logged by "
+                "the artifacts.gc logger)"
+            )
         for unit in doomed:
             if dry_run or self._delete(unit):
                 self.report.freed.append(Freed(unit.category, unit.location, unit.bytes))
@@ -324,15 +381,34 @@ class _Collector:
                         found[path.relative_to(root).as_posix()] = (size, stat.st_mtime)
         return found
 
-    def _read(self, rel: str) -> str | None:
-        """A listed record's text; "" (which verifies as nothing) when its name is unsafe
-        (a symlink out of the root), None when it is gone."""
+    def _where(self, rel: str) -> str | Path:
+        """The location of a listed name, through `safe_join` (a symlink out of a local
+        root is refused).
+
+        Raises:
+            SignatureError: The name is unsafe: whatever it holds cannot be trusted.
+        """
         try:
-            location = safe_join(self.store.url, rel, f"a record listed under {self.store.url}")
+            return safe_join(self.store.url, rel, f"a record listed under {self.store.url}")
         except UnsafeName as err:
-            self._note_once(f"unsafe:{rel}", str(err))
-            return ""
-        return read_text_or_none(location)
+            raise SignatureError(str(err)) from err
+
+    def _read_record(
+        self, rel: str, bound: dict[str, str], limit: int | None = None
+    ) -> dict[str, Any] | None:
+        """A listed record, read up to `limit` bytes, parsed and verified for its place
+        `bound` (`signing.read_verified`); None when it is gone.
+
+        Raises:
+            SignatureError: It does not verify, is bound to another place or to none,
+                is too large, does not parse, cannot be read, or its name is unsafe.
+        """
+        location = self._where(rel)
+        try:
+            return read_verified(location, place=bound, limit=limit)
+        except (*backend_errors(), OSError) as err:
+            # A directory planted where a record belongs, a permission, a lost read.
+            raise SignatureError(f"{location} cannot be read ({type(err).__name__})") from err
 
     def _old(self, mtime: float) -> bool:
         return self.now - mtime >= self.older_than_s
@@ -342,6 +418,18 @@ class _Collector:
         if key not in _noted:
             _noted.add(key)
             _logger.warning("gc: %s", message)
+
+    def _unverifiable(self, key: str, message: str) -> None:
+        """Say that a record does not verify and what gc keeps for it: logged once per
+        process, and in the report (up to `_MAX_NOTES` of them)."""
+        self._note_once(key, message)
+        if key in self._told:  # read again (the leases, before a deletion)
+            return
+        self._told.add(key)
+        if len(self.report.notes) < _MAX_NOTES:
+            self.report.notes.append(message)
+        else:
+            self._untold += 1
 
     def _count(self, reason: str, count: int = 1) -> None:
         self.report.kept[reason] = self.report.kept.get(reason, 0) + count
@@ -358,26 +446,25 @@ class _Collector:
         return leases
 
     def _read_lease(self, rel: str, mtime: float) -> _Lease | None:
-        text = self._read(rel)
-        if text is None:
-            return None  # released meanwhile
         fresh = self.now - mtime <= self.stale_after_s
+        run_id = rel.split("/", 1)[1].removesuffix(".json")
         try:
-            record = loads_verified(text, f"{self.store.url}/{rel}")
-            run_id = rel.split("/", 1)[1].removesuffix(".json")
+            record = self._read_record(rel, lease_place(run_id), _POINTER_BYTES)
+            if record is None:
+                return None  # released meanwhile
             if record.get("run_id") != run_id:
-                raise SignatureError(f"it is the lease of run {record.get('run_id')!r}")
-            started, heartbeat = float(record["started"]), float(record["heartbeat"])
+                raise SignatureError(f"it is the lease of run {str(record.get('run_id'))[:80]!r}")
+            started, heartbeat = _seconds(record.get("started")), _seconds(record.get("heartbeat"))
             names = record.get("fingerprints")
             if names is not None and not (
                 isinstance(names, list) and all(isinstance(n, str) for n in names)
             ):
                 raise SignatureError("its fingerprints are not names")
-        except (SignatureError, KeyError, TypeError, ValueError) as err:
-            self._note_once(
+        except SignatureError as err:
+            self._unverifiable(
                 f"lease:{rel}",
-                f"the lease {self.store.url}/{rel} does not verify ({err}); while it is fresh "
-                "gc keeps every stage output and everything a flow writes",
+                f"the lease {rel} does not verify ({err}); while it is fresh gc keeps every "
+                "stage output and everything a flow writes",
             )
             return _Lease(rel, fresh, -math.inf, None, verified=False)
         live = self.now - max(heartbeat, mtime) <= self.stale_after_s
@@ -430,24 +517,33 @@ class _Collector:
 
     def _doomed_records(self, units: dict[str, _Unit], keep_runs: int) -> list[_Unit]:
         """Run records beyond the newest `keep_runs` and older than the limit; fills
-        `self.record_fingerprints` with what the kept ones name."""
+        `self.record_fingerprints` with what the kept ones name.
+
+        A record that does not verify for its place (`place("run-record", run_id)`) is
+        kept, does not count among the newest, and keeps every stage output: it may
+        have named any of them (a cache hit names an output an older run wrote)."""
         verified: list[tuple[str, _Unit, set[str]]] = []
         for unit in units.values():
             summary = f"{unit.location}/summary.json"
             if unit.category != "run records" or summary not in unit.files:
                 continue
-            text = self._read(summary)
-            if text is None:
-                continue
-            run_id, names = _record_names(text, f"{self.store.url}/{summary}", unit.location)
-            if run_id is None:
-                self._note_once(
-                    f"record:{summary}",
-                    f"the run record {self.store.url}/{summary} does not verify; it is kept, "
-                    "and so is every stage output it names",
+            run_id = unit.location.split("/", 1)[1]
+            try:
+                record = self._read_record(
+                    summary, place("run-record", run_id=run_id), _RECORD_BYTES
                 )
-                self._count("run records that do not verify (kept, and keeping what they name)")
-                self.record_fingerprints |= names
+                if record is None:
+                    continue  # deleted meanwhile
+                names = _record_names(record, summary, run_id)
+            except SignatureError as err:
+                self._unverifiable(
+                    f"record:{summary}",
+                    f"the run record {summary} does not verify ({err}); gc keeps it, and "
+                    "keeps every stage output (it may have named any). If it is not a record "
+                    f"of yours, delete {unit.location} by hand",
+                )
+                self._count("run records that do not verify (kept; they keep every stage output)")
+                self.keep_stages.update(STAGES)
                 continue
             verified.append((run_id, unit, names))
         verified.sort(key=lambda item: item[0], reverse=True)
@@ -463,41 +559,116 @@ class _Collector:
             self.record_fingerprints |= names
         return doomed
 
-    def _kept_by_registry_and_pointers(
-        self, index: dict[str, tuple[int, float]]
-    ) -> tuple[set[str], set[str]]:
-        """(registry version names, the fingerprints `latest/` pointers hold)."""
+    def _read_registry(self, index: dict[str, tuple[int, float]]) -> set[str]:
+        """The registry's version names (each keeps its export output), CHAMPION's
+        `version` and `previous`; fills `self.lineage_fingerprints` with the stage outputs
+        each version's verified lineage names."""
         versions: set[str] = set()
-        pointed: set[str] = set()
-        for rel in index:
+        for rel in sorted(index):
             parts = rel.split("/")
-            if parts[0] == "registry" and len(parts) >= 4 and not parts[2].startswith("."):
-                versions.add(parts[2])
-            elif parts[0] == "registry" and len(parts) == 3 and parts[2] == CHAMPION:
-                versions |= self._champion_names(rel)
-            elif parts[0] == "latest" and len(parts) == 3 and parts[2][:-5] in STAGES:
-                # A hint, signed or not: every fingerprint in it is kept (keeping more).
-                pointed |= set(FINGERPRINT.findall(self._read(rel) or ""))
-        return versions, pointed
+            if parts[0] != "registry" or len(parts) < 3:
+                continue
+            model, name = parts[1], parts[2]
+            if len(parts) == 3 and name == CHAMPION:
+                versions |= self._champion_names(rel, model)
+            elif name.startswith(".") or name == DECISIONS or len(parts) < 4:
+                continue
+            else:
+                versions.add(name)
+                if len(parts) == 4 and parts[3] == MANIFEST:
+                    self._read_lineage(rel, model, name)
+        return versions
 
-    def _champion_names(self, rel: str) -> set[str]:
-        """CHAMPION's `version` and `previous`; from an unverified one too (keeping more)."""
-        text = self._read(rel) or ""
+    def _champion_names(self, rel: str, model: str) -> set[str]:
+        """CHAMPION's `version` and `previous`, when it verifies for its place; when it does
+        not, every export output is kept (it may have named any version)."""
         try:
-            record = loads_verified(text, f"{self.store.url}/{rel}")
+            record = self._read_record(rel, place("champion", model=model), _POINTER_BYTES)
         except SignatureError as err:
-            self._note_once(f"champion:{rel}", f"{err}; gc keeps the versions it names anyway")
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError:
-                return set()
-        if not isinstance(record, dict):
+            self._unverifiable(
+                f"champion:{rel}",
+                f"{rel} does not verify ({err}); gc keeps every export output (it may have "
+                "named any version)",
+            )
+            self.keep_stages.add("export")
+            return set()
+        if record is None:
             return set()
         return {v for v in (record.get("version"), record.get("previous")) if isinstance(v, str)}
 
-    def _doomed_outputs(
-        self, units: dict[str, _Unit], versions: set[str], pointed: set[str]
-    ) -> list[_Unit]:
+    def _read_lineage(self, manifest_rel: str, model: str, version: str) -> None:
+        """Keep the stage outputs the lineage of one registry version names.
+
+        The package manifest must verify for ``place("package", model, version)``, and
+        `lineage.json` must match its sha256 there; otherwise every stage output
+        is kept (the lineage may have named any). A package without a lineage (exported
+        before incremental training) names nothing."""
+        base = manifest_rel.rsplit("/", 1)[0]
+        try:
+            manifest = self._read_record(
+                manifest_rel, place("package", model=model, version=version)
+            )
+            if manifest is None:
+                return  # deleted meanwhile
+            files = manifest.get("files")
+            if not isinstance(files, dict):
+                raise SignatureError(f"{manifest_rel} lists no files")
+            entry = files.get(_LINEAGE)
+            if entry is None:
+                return
+            data = f"{_data_prefix(manifest, manifest_rel)}/" if self.store.remote else ""
+            rel = f"{base}/{data}{_LINEAGE}"
+            lineage = _lineage(self._where(rel), rel, entry)
+        except SignatureError as err:
+            self._unverifiable(
+                f"package:{manifest_rel}",
+                f"the package of {model} {version} does not verify ({err}); gc keeps every "
+                "stage output (its lineage may have named any)",
+            )
+            self.keep_stages.update(STAGES)
+            return
+        self.lineage_fingerprints |= {
+            lineage[stage]
+            for stage in STAGES
+            if isinstance(lineage.get(stage), str) and FINGERPRINT.fullmatch(lineage[stage])
+        }
+
+    def _read_latest(self, index: dict[str, tuple[int, float]]) -> None:
+        """Keep what each `latest/<pipeline>/<name>.json` names: a stage pointer's output
+        (the baseline the next run's drift check reads), the plan's fingerprints. One that
+        does not verify for its place keeps every output of its stage (a pointer) or
+        every stage output (any other record)."""
+        for rel in sorted(index):
+            parts = rel.split("/")
+            if parts[0] != "latest" or len(parts) != 3 or not parts[2].endswith(".json"):
+                continue  # a pipeline's directory, a write's temporary file
+            pipeline, name = parts[1], parts[2]
+            stage = name.removesuffix(".json")
+            pointer = stage in STAGES
+            try:
+                record = self._read_record(
+                    rel,
+                    place("latest", pipeline=pipeline, name=name),
+                    _POINTER_BYTES if pointer else _RECORD_BYTES,
+                )
+                if record is None:
+                    continue
+                if pointer:
+                    output = str(record.get("output", "")).rstrip("/").rsplit("/", 2)
+                    if output[-2:-1] != [stage] or not FINGERPRINT.fullmatch(output[-1]):
+                        raise SignatureError(f"{rel} names no {stage} output")
+                    self.pointed.add(output[-1])
+                else:
+                    self.pointed |= _fingerprints(record)
+            except SignatureError as err:
+                what = f"every {stage} output" if pointer else "every stage output"
+                self._unverifiable(
+                    f"latest:{rel}",
+                    f"{rel} does not verify ({err}); gc keeps {what} (it may have named any)",
+                )
+                self.keep_stages.update([stage] if pointer else STAGES)
+
+    def _doomed_outputs(self, units: dict[str, _Unit], versions: set[str]) -> list[_Unit]:
         doomed = []
         for unit in units.values():
             if unit.category != "stage outputs":
@@ -507,10 +678,14 @@ class _Collector:
                 self._count("stage outputs the kept run records name")
             elif stage == "export" and unit.key[:12] in versions:
                 self._count("export outputs of registry versions")
-            elif unit.key in pointed:
-                self._count("stage outputs latest/ pointers name")
+            elif unit.key in self.lineage_fingerprints:
+                self._count("stage outputs the lineage of registry versions names")
+            elif unit.key in self.pointed:
+                self._count("stage outputs latest/ records name")
             elif not self._old(unit.newest):
                 self._count("stage outputs younger than the age limit")
+            elif stage in self.keep_stages:
+                self._count("stage outputs kept because a record does not verify")
             elif self._lease_keeps(unit):
                 self._count("stage outputs a live lease keeps")
             else:
@@ -521,14 +696,32 @@ class _Collector:
         return doomed
 
     def _doomed_data_prefixes(self, unit: _Unit) -> list[_Unit]:
-        """The data prefixes of a kept remote output that its manifest does not name."""
+        """The data prefixes of a kept remote output that its manifest does not name.
+
+        Only a manifest bound to this very output (``place("stage-output", stage, fp)``)
+        says which prefix is live: one copied here from another output names that
+        output's prefix, and would make this one's own look like garbage."""
         prefixes = _subunits(unit, "data prefixes", lambda part: part.startswith("data-"))
-        if not prefixes:
+        rel = f"{unit.location}/{MANIFEST}"
+        if not prefixes or rel not in unit.files:
+            return []  # unpublished: which prefix is live is unknown
+        stage = unit.location.split("/")[1]
+        try:
+            manifest = self._read_record(
+                rel, place("stage-output", stage=stage, fingerprint=unit.key)
+            )
+            if manifest is None:
+                return []
+            current = f"{unit.location}/{_data_prefix(manifest, rel)}"
+        except SignatureError as err:
+            self._unverifiable(
+                f"manifest:{rel}",
+                f"{err}; gc keeps every data prefix of {unit.location}",
+            )
+            self._count(
+                "data prefixes kept because their output's manifest does not verify", len(prefixes)
+            )
             return []
-        manifest = remote_manifest(str(join(self.store.url, unit.location)), strict=False)
-        if manifest is None:
-            return []  # unpublished or unverified: which prefix is live is unknown
-        current = f"{unit.location}/{manifest.get('data', '')}"
         return [p for p in prefixes if p.location != current and self._goes(p)]
 
     def _doomed_rest(self, units: dict[str, _Unit]) -> list[_Unit]:
@@ -680,24 +873,100 @@ def _subunits(unit: _Unit, category: str, picks: Callable[[str], bool]) -> list[
     return list(subs.values())
 
 
-def _record_names(text: str, where: str, location: str) -> tuple[str | None, set[str]]:
-    """(run id, fingerprints) of a run record; (None, every fingerprint in its text) when it
-    does not verify or is not the record of the run its directory names."""
-    try:
-        record = loads_verified(text, where)
-        if record.get("run_id") != location.split("/", 1)[1]:
-            raise SignatureError(f"{where} is the record of run {record.get('run_id')!r}")
-        stages = record.get("stages")
-        if not isinstance(stages, dict):
-            raise SignatureError(f"{where} has no stages")
-    except SignatureError:
-        return None, set(FINGERPRINT.findall(text))
-    names = {
+def _record_names(record: dict[str, Any], where: str, run_id: str) -> set[str]:
+    """The fingerprints a verified run record's `stages` name.
+
+    Raises:
+        SignatureError: It is the record of another run, or has no stages.
+    """
+    if record.get("run_id") != run_id:
+        raise SignatureError(f"{where} is the record of run {str(record.get('run_id'))[:80]!r}")
+    stages = record.get("stages")
+    if not isinstance(stages, dict):
+        raise SignatureError(f"{where} has no stages")
+    return {
         info["fingerprint"]
         for info in stages.values()
         if isinstance(info, dict) and isinstance(info.get("fingerprint"), str)
     }
-    return str(record["run_id"]), names
+
+
+def _fingerprints(record: Any) -> set[str]:
+    """Every fingerprint a verified record holds: a string that is one, or a location
+    that ends in one (``.../stages/<stage>/<fp>``)."""
+    found: set[str] = set()
+    stack = [record]
+    while stack:  # not recursive: a record may be nested as deep as the parser allowed
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str):
+            last = value.rstrip("/").rsplit("/", 1)[-1]
+            if FINGERPRINT.fullmatch(last):
+                found.add(last)
+    return found
+
+
+def _data_prefix(manifest: dict[str, Any], where: str) -> str:
+    """The data prefix a verified remote manifest names: one plain ``data-*`` name.
+
+    Raises:
+        SignatureError: It names none, or a name that is not one plain segment.
+    """
+    data = manifest.get("data")
+    if not isinstance(data, str) or not data.startswith("data-") or "/" in data:
+        raise SignatureError(f"{where} names no data prefix ({str(data)[:80]!r})")
+    try:
+        check_name(data, f"the data prefix in {where}")
+    except UnsafeName as err:
+        raise SignatureError(str(err)) from err
+    return data
+
+
+def _lineage(location: str | Path, where: str, entry: Any) -> dict[str, Any]:
+    """A package's lineage.json, read up to its cap, checked against its `entry` in the
+    verified package manifest (sha256), parsed.
+
+    Raises:
+        SignatureError: It is missing, too large, not UTF-8, differs from its sha256,
+            cannot be read, or does not parse as an object.
+    """
+    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+        raise SignatureError(f"{where} has no sha256 in its package manifest")
+    try:
+        text = read_text_or_none(location, _RECORD_BYTES)
+    except (*backend_errors(), OSError) as err:
+        raise SignatureError(f"{where} cannot be read ({type(err).__name__})") from err
+    if text is None:
+        raise SignatureError(f"{where} is listed in its package manifest but missing")
+    if hashlib.sha256(text.encode()).hexdigest() != entry["sha256"]:
+        raise SignatureError(f"{where} does not match its sha256 in the package manifest")
+    try:
+        lineage = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise SignatureError(f"{where} does not parse ({type(err).__name__})") from err
+    if not isinstance(lineage, dict):
+        raise SignatureError(f"{where} is not a JSON object")
+    return lineage
+
+
+def _seconds(value: Any) -> float:
+    """A time in a verified lease (seconds since the epoch).
+
+    Raises:
+        SignatureError: It is not a finite number.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SignatureError(f"its time {str(value)[:40]!r} is not a number")
+    try:
+        seconds = float(value)
+    except OverflowError as err:
+        raise SignatureError("its time is out of range") from err
+    if not math.isfinite(seconds):
+        raise SignatureError("its time is not finite")
+    return seconds
 
 
 def _mtime(info: dict[str, Any]) -> float:

@@ -8,7 +8,9 @@ A pipeline run writes its lease before its plan reads the store, names the stage
 fingerprints of its plan once they are known, rewrites it every `HEARTBEAT_S` seconds
 from a daemon thread (`heartbeat`: this machine's wall clock, seconds since the epoch)
 and deletes it when it ends, however it ends. A lease is signed with the run key like
-every record recforge writes to the root (`artifacts.signing`).
+every record recforge writes to the root (`artifacts.signing`), bound to its place
+(`place("lease", run_id)`): gc reads a lease found under another run's name as one that
+does not verify.
 
 `recforge gc` (`artifacts.gc`) counts a lease as live while its heartbeat, or its
 object's modification time, is younger than its staleness limit (`STALE_AFTER_S`, three
@@ -38,7 +40,7 @@ from typing import Any
 
 from artifacts.durable import write_json
 from artifacts.locations import backend_errors, remove, safe_join
-from artifacts.signing import sign
+from artifacts.signing import place, sign
 
 LEASES = "leases"
 # How often a run rewrites its lease.
@@ -56,6 +58,12 @@ def lease_location(root: str, run_id: str) -> str | Path:
         UnsafeName: `run_id` is not a plain name.
     """
     return safe_join(root, f"{LEASES}/{run_id}.json", "a run id")
+
+
+def lease_place(run_id: str) -> dict[str, str]:
+    """The place a lease is signed for (`artifacts.signing.place`): a lease copied to
+    another run's name is refused by gc, and counts only as a lease that does not verify."""
+    return place("lease", run_id=run_id)
 
 
 class RunLease:
@@ -139,7 +147,7 @@ class RunLease:
         with self._lock:
             if self._started is None:  # released: a late heartbeat must not bring it back
                 return
-            write_json(self.location, sign(self.record()))
+            write_json(self.location, sign(self.record(), place=lease_place(self.run_id)))
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s):

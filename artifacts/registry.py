@@ -7,6 +7,12 @@
 <root>/registry/<model>/decisions/        the blessing decision of every candidate
 ```
 
+Every record here is bound to its place (`artifacts.signing.place`): a package manifest
+to its model and version, CHAMPION and each history line to the model, a decision to its
+model and version. A signed record copied elsewhere in the bucket (an old version over
+the champion's directory, another model's pointer, one version's decision to another) is
+refused by every reader, naming both places.
+
 The root may be local or an fsspec URL (`s3://bucket/prefix`, see artifacts/store.py).
 The pointer is one JSON object replaced whole (a rename locally, one PUT remotely):
 readers see the old or the new champion, never a torn one. It moves only through
@@ -34,13 +40,24 @@ from artifacts.errors import (
     InputNotFoundError,
 )
 from artifacts.locations import UnsafeName, check_name, filesystem, join, read_text_or_none
-from artifacts.signing import SIGNATURE, SignatureError, loads_verified, read_hint, sign
+from artifacts.signing import (
+    SIGNATURE,
+    SignatureError,
+    loads_verified,
+    place,
+    read_hint,
+    read_verified,
+    sign,
+)
 from artifacts.store import MANIFEST, ArtifactStore, check_output_dir, materialize, remote_manifest
 
 CHAMPION = "CHAMPION"
 HISTORY = "history.jsonl"
 DECISIONS = "decisions"
 INFRA_REPORT = "infra_validation.json"
+# Size caps of the registry's small records (a manifest keeps the default cap).
+POINTER_BYTES = 64 << 10
+DECISION_BYTES = 4 << 20
 # A history append that loses a race reads the file again and retries, this many times.
 HISTORY_ATTEMPTS = 5
 _logger = logging.getLogger(__name__)
@@ -92,6 +109,10 @@ class Registry:
     def _at(self, *parts: str) -> str:
         return join(self.url, *parts)
 
+    def package_place(self, version: str) -> dict[str, str]:
+        """The place a package manifest of `version` of this model is signed for."""
+        return place("package", model=self.model_name, version=version)
+
     def versions(self) -> list[Version]:
         """Registered versions, oldest first."""
         champion = self.champion()
@@ -119,11 +140,13 @@ class Registry:
                 if path.name.startswith(".") or not (path / MANIFEST).is_file():
                     continue
                 try:
-                    manifest = loads_verified((path / MANIFEST).read_text(), str(path / MANIFEST))
-                except SignatureError as err:
+                    check_version(path.name, f"a version listed under {self.url}")
+                    manifest = read_verified(path / MANIFEST, place=self.package_place(path.name))
+                except (SignatureError, UnsafeName) as err:
                     _logger.warning("registry: ignoring %s: %s", path.name, err)
                     continue
-                found.append((path.name, manifest))
+                if manifest is not None:
+                    found.append((path.name, manifest))
             return found
         fs, path = filesystem(self.url)
         fs.invalidate_cache(path)
@@ -139,7 +162,8 @@ class Registry:
             except UnsafeName as err:
                 _logger.warning("registry: %s", err)
                 continue
-            manifest = remote_manifest(self._at(name), strict=False)
+            # One that does not verify, or was signed for another place, is logged there.
+            manifest = remote_manifest(self._at(name), strict=False, place=self.package_place(name))
             if manifest is not None:
                 found.append((name, manifest))
         return found
@@ -153,7 +177,8 @@ class Registry:
         """
         check_version(version, f"model {self.model_name!r} version")
         published = (
-            remote_manifest(self._at(version), strict=False) is not None
+            remote_manifest(self._at(version), strict=False, place=self.package_place(version))
+            is not None
             if self.remote
             else (self.root / version / MANIFEST).is_file()
         )
@@ -166,13 +191,35 @@ class Registry:
         return self._at(version) if self.remote else self.root / version
 
     def path(self, version: str) -> Path:
-        """The package directory of `version`, local (materialized from a remote root).
+        """The package directory of `version`, local and verified: its manifest signed and
+        bound to this model and version, every file's size and sha256 as it lists them
+        (a remote package is materialized, each object checked as it is downloaded).
 
         Raises:
             InputNotFoundError: No such version.
-            CorruptOutput: A remote package's object differs from its manifest.
+            CorruptOutput: A file differs from the manifest.
+            SignatureError: The manifest is unsigned or forged.
+            MisplacedRecord: The manifest was signed for another model or version (a
+                copy of another package), or for none (exported before packages were
+                bound: the message says how to export it again).
         """
-        return materialize(self.location(version))
+        location = self.location(version)
+        expected = self.package_place(version)
+        if self.remote:
+            # The place first: nothing of another version's package is downloaded here.
+            remote_manifest(str(location), place=expected)
+            local = materialize(location)  # every object's sha256 checked
+            # What was downloaded is bound to this version too.
+            read_verified(local / MANIFEST, place=expected)
+            return local
+        local = Path(location)
+        problem = check_output_dir(local, expected)
+        if problem:
+            raise CorruptOutput(
+                f"registry package {self._at(version)} does not match its manifest: "
+                f"{problem}; export it again (`recforge run CONFIG --force export`)"
+            )
+        return local
 
     def champion(self) -> str | None:
         """The champion's version, or None before the first promotion."""
@@ -180,32 +227,43 @@ class Registry:
         return None if record is None else str(record["version"])
 
     def champion_record(self) -> dict[str, Any] | None:
-        """CHAMPION, verified: signed with the run key, its versions plain names.
+        """CHAMPION, verified: signed with the run key for this model, its versions plain
+        names.
 
         Raises:
-            SignatureError: CHAMPION is unsigned or forged.
+            SignatureError: CHAMPION is unsigned, forged, over its size cap or does not
+                parse.
+            MisplacedRecord: It is another model's pointer (copied here), or names no
+                place.
             UnsafeName: Its `version` or `previous` would leave the registry.
         """
-        text = read_text_or_none(self._at(CHAMPION))
+        text = read_text_or_none(self._at(CHAMPION), POINTER_BYTES)
         return None if text is None else self._checked_champion(text)
 
     def _checked_champion(self, text: str) -> dict[str, Any]:
         where = str(self._at(CHAMPION))
-        record = loads_verified(text, where)
+        if len(text) > POINTER_BYTES:
+            raise SignatureError(
+                f"{where} has {len(text)} characters, more than a CHAMPION pointer "
+                f"({POINTER_BYTES}); recforge never wrote it. Promote a version again"
+            )
+        record = loads_verified(text, where, place=place("champion", model=self.model_name))
         check_version(record.get("version"), f"{where} 'version'")
         if record.get("previous") is not None:
             check_version(record["previous"], f"{where} 'previous'")
         return record
 
     def history(self) -> list[dict[str, Any]]:
-        """Every pointer move, oldest first (lines that do not verify are left out, logged)."""
+        """Every pointer move of this model, oldest first (lines that do not verify, or
+        were signed for another model's history, are left out, logged)."""
         text = read_text_or_none(self._at(HISTORY)) or ""
+        expected = place("history", model=self.model_name)
         entries = []
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                entry = loads_verified(line, f"{self._at(HISTORY)} line {number}")
+                entry = loads_verified(line, f"{self._at(HISTORY)} line {number}", place=expected)
                 entries.append({k: v for k, v in entry.items() if k != SIGNATURE})
             except SignatureError as err:
                 _logger.warning("registry: %s", err)
@@ -215,14 +273,21 @@ class Registry:
         """Keep the blessing decision of `version` (the latest one wins)."""
         check_version(version, "a model version")
         location = self._at(DECISIONS, f"{version}.json")
-        write_json(location, sign({"version": version, "decided_at": _now(), **decision}))
+        record = {"version": version, "decided_at": _now(), **decision}
+        write_json(location, sign(record, place=self._decision_place(version)))
         return location if self.remote else Path(location)
 
     def decision(self, version: str) -> dict[str, Any] | None:
         """The blessing decision recorded for `version`; None when there is none, or when
-        it does not verify (logged: a forged decision blesses nothing)."""
+        it does not verify (logged: a forged decision, or one copied from another version
+        or model, blesses nothing)."""
         location = self._at(DECISIONS, f"{check_version(version, 'a model version')}.json")
-        return read_hint(location, "registry")
+        return read_hint(
+            location, "registry", place=self._decision_place(version), limit=DECISION_BYTES
+        )
+
+    def _decision_place(self, version: str) -> dict[str, str]:
+        return place("decision", model=self.model_name, version=version)
 
     def verify(self, version: str) -> Path:
         """The package of `version`, checked against its manifest and infra report.
@@ -233,15 +298,11 @@ class Registry:
         Raises:
             InputNotFoundError: No such version.
             CorruptOutput: A file differs from the manifest.
+            SignatureError, MisplacedRecord: As `path` (another version's package copied
+                here is refused, naming both).
             ConfigError: The package's infra validation is missing or failed.
         """
         path = self.path(version)
-        problem = check_output_dir(path)
-        if problem:
-            raise CorruptOutput(
-                f"registry package {self._at(version)} does not match its manifest: "
-                f"{problem}; export it again (`recforge run CONFIG --force export`)"
-            )
         report_path = path / INFRA_REPORT
         if (path / "model.onnx").is_file() and (path / "score.py").is_file():
             # CTR packages score raw records: they must have passed infra validation.
@@ -315,7 +376,8 @@ class Registry:
     def _move(self, record: dict[str, Any], expected: str | None) -> None:
         """Write CHAMPION if it is still the version read as `expected` (the move itself)."""
         try:
-            write_json_if(self._at(CHAMPION), sign(record), expected)
+            champion = place("champion", model=self.model_name)
+            write_json_if(self._at(CHAMPION), sign(record, place=champion), expected)
         except ConcurrentUpdate as err:
             now = self.champion()
             raise ChampionMoved(
@@ -326,7 +388,8 @@ class Registry:
             ) from err
 
     def _append_history(self, entry: dict[str, Any]) -> None:
-        line = json.dumps(sign(entry), sort_keys=True) + "\n"
+        signed = sign(entry, place=place("history", model=self.model_name))
+        line = json.dumps(signed, sort_keys=True) + "\n"
         if not self.remote:
             self.root.mkdir(parents=True, exist_ok=True)
             with open(self.root / HISTORY, "a") as handle:

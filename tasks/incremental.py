@@ -10,9 +10,13 @@ from) into the package, which is how the next day finds this model's train outpu
 model that has already seen the run's partition is not its parent: the lineage is
 walked back to the model before it, so a finished day runs again as cache hits.
 
-Nothing here trusts the bucket: the package is verified against its signed manifest
-(`Registry.verify`), the parent's train output against its own (`ArtifactStore.verify`),
-and every stored name goes through the registry's and the store's checks.
+Nothing here trusts the bucket: the package is verified against its signed manifest,
+bound to the model and version it is read as (`Registry.verify`: another version's
+package copied over it is refused), so `lineage.json` names the train output that
+version was exported from; that train output is verified against its own manifest
+(`ArtifactStore.verify`), which must be the train output of exactly that fingerprint (a
+train output copied over it is refused, naming both); every stored name goes through the
+registry's and the store's checks.
 
 With `train.init: champion` and no champion yet, the run starts a chain from scratch
 (day one of a daily deployment). A named version that is missing fails the plan.
@@ -71,6 +75,8 @@ class Parent(BaseModel):
         Raises:
             InputNotFoundError: It was deleted (`recforge gc`, by hand).
             CorruptOutput: It differs from its manifest.
+            MisplacedRecord: Its manifest is another output's (copied over it), naming
+                both.
         """
         manifest, why = store.verify("train", self.train)
         if manifest is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -24,7 +25,7 @@ from prefect.artifacts import create_markdown_artifact
 from artifacts.durable import file_sha256
 from artifacts.errors import DeterministicError
 from artifacts.registry import Registry
-from artifacts.signing import read_hint, sign
+from artifacts.signing import PLACE, place, read_hint, sign
 from artifacts.store import ArtifactStore
 from tasks.common import StageOutput, local_dir, upstream_dirs
 from training.blessing import BlessConfig, decide
@@ -33,6 +34,11 @@ from training.stages import bless_thresholds, champion_view, data_stage, evaluat
 
 TRANSFORM = "transform.json"
 CHAMPION_EVALS = "champion-evals"
+# A cached champion score is a metrics summary: small.
+SCORE_BYTES = 4 << 20
+# The field of a cached score naming the test data and evaluate config it was scored on.
+SCORED_ON = "scored_on"
+_logger = logging.getLogger(__name__)
 
 
 def champion_metrics_on(
@@ -51,9 +57,7 @@ def champion_metrics_on(
     """
     package = registry.path(champion)
     ours = local_dir(preprocess) / TRANSFORM
-    same = (package / TRANSFORM).is_file() and file_sha256(package / TRANSFORM) == file_sha256(
-        ours
-    )
+    same = (package / TRANSFORM).is_file() and file_sha256(package / TRANSFORM) == file_sha256(ours)
     with tempfile.TemporaryDirectory(prefix="recforge-champion-") as scratch:
         view = None
         if not same and (package / TRANSFORM).is_file():
@@ -90,7 +94,7 @@ def _score_champion(
         json.dumps([champion, data, config.model_dump(mode="json")], sort_keys=True).encode()
     ).hexdigest()[:16]
     cached = registry.root / CHAMPION_EVALS / f"{champion}-{key}.json"
-    metrics = cached_metrics(cached)
+    metrics = cached_metrics(cached, registry.model_name, champion, key)
     if metrics is not None:
         return metrics, f"champion {champion} scored earlier ({cached})"
     try:
@@ -106,18 +110,58 @@ def _score_champion(
         )
     except DeterministicError as error:
         return None, f"champion {champion} could not be scored on this data: {error}"
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    cached.write_text(json.dumps(sign(metrics), indent=2) + "\n")
+    store_metrics(cached, metrics, registry.model_name, champion, key)
     return metrics, f"champion {champion} scored on this run's {config.split} split"
 
 
-def cached_metrics(path: Path) -> dict[str, Any] | None:
-    """The champion's metrics scored earlier, or None: not scored, or not signed by us.
+def store_metrics(path: Path, metrics: dict[str, Any], model: str, version: str, key: str) -> None:
+    """Keep the champion's metrics, signed for `model` `version` and scored on `key`.
+
+    Args:
+        path: The cache file (``champion-evals/<version>-<key>.json``).
+        metrics: What `evaluate` returned.
+        model: The registry's model name.
+        version: The champion's version that was scored.
+        key: The test data and evaluate config it was scored on (the file's key).
+    """
+    record = sign({**metrics, SCORED_ON: key}, place=_score_place(model, version))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def cached_metrics(path: Path, model: str, version: str, key: str) -> dict[str, Any] | None:
+    """The champion's metrics scored earlier, or None: not scored, or not ours to trust.
 
     A forged score in the registry could let a worse candidate through the gate, so a
-    file whose signature does not verify is scored again (and logged), never trusted.
+    file that does not verify, was signed for another model or version (a copy), was
+    scored on other test data than `key`, or does not parse is scored again (logged),
+    never trusted.
+
+    Args:
+        path: The cache file.
+        model: The registry's model name.
+        version: The champion's version.
+        key: The test data and evaluate config this run scores on.
     """
-    return read_hint(path, "scoring the champion again")
+    record = read_hint(
+        path, "scoring the champion again", place=_score_place(model, version), limit=SCORE_BYTES
+    )
+    if record is None:
+        return None
+    if record.pop(SCORED_ON, None) != key:
+        _logger.warning(
+            "scoring the champion again: %s was scored on other test data or another "
+            "evaluate config than this run's (%s); ignoring it",
+            path,
+            key,
+        )
+        return None
+    record.pop(PLACE, None)
+    return record
+
+
+def _score_place(model: str, version: str) -> dict[str, str]:
+    return place("champion-score", model=model, version=version)
 
 
 @task(name="bless", task_run_name="bless", retries=0, persist_result=False)

@@ -20,7 +20,7 @@ def register(root: Path, version: str, infra: dict | None = OK) -> Path:
     if infra is not None:
         (staging / INFRA_REPORT).write_text(json.dumps(infra))
     store.publish("export", version * 4, staging, {})
-    return store.publish_model("ctr", version, store.output_dir("export", version * 4))
+    return Path(store.publish_model("ctr", version, store.output_dir("export", version * 4)))
 
 
 def test_promote_and_rollback_move_one_pointer(tmp_path: Path) -> None:

@@ -22,10 +22,10 @@ from artifacts.durable import write_json
 from artifacts.errors import ConfigError, InputNotFoundError
 from artifacts.gc import CATEGORIES, collect_garbage, parse_duration
 from artifacts.lease import RunLease, lease_location
-from artifacts.locations import filesystem, join
+from artifacts.locations import filesystem, join, read_text_or_none, safe_join
 from artifacts.registry import CHAMPION
-from artifacts.signing import loads_verified, sign
-from artifacts.store import STAGES, ArtifactStore
+from artifacts.signing import loads_verified, place, sign
+from artifacts.store import MANIFEST, STAGES, ArtifactStore
 from flows.cli import main
 from tasks.plan import StagePlan
 from tests.flows.test_object_store import s3_root  # noqa: F401 - a fixture
@@ -41,11 +41,60 @@ def fp(char: str) -> str:
     return char * 64
 
 
-def publish(store: ArtifactStore, stage: str, fingerprint: str, payload: bytes = b"rows\n") -> str:
+def publish(
+    store: ArtifactStore,
+    stage: str,
+    fingerprint: str,
+    payload: bytes = b"rows\n",
+    extra: dict[str, bytes] | None = None,
+) -> str:
+    """Publish an output holding `part-0.bin` (and `extra`), its manifest bound to its place."""
     staging = store.new_staging(stage, fingerprint)
     (staging / "part-0.bin").write_bytes(payload)
+    for rel, data in (extra or {}).items():
+        (staging / rel).write_bytes(data)
     store.publish(stage, fingerprint, staging, {})
+    bind(
+        store,
+        f"stages/{stage}/{fingerprint}/{MANIFEST}",
+        "stage-output",
+        stage=stage,
+        fingerprint=fingerprint,
+    )
     return store.output_url(stage, fingerprint)
+
+
+def bind(store: ArtifactStore, rel: str, kind: str, **coordinates: str) -> None:
+    """Sign the record at `rel` again, bound to `place(kind, **coordinates)` (what the
+    writers do; idempotent once they do)."""
+    location = store.location(*rel.split("/"))
+    record = json.loads(read_text_or_none(location))
+    write_json(location, sign(record, place=place(kind, **coordinates)))
+
+
+def register(store: ArtifactStore, model: str, export_fp: str) -> str:
+    """Publish the export output `export_fp` as version `export_fp[:12]` of `model`, its
+    package manifest bound to its place; returns the version."""
+    version = export_fp[:12]
+    store.publish_model(model, version, store.output_url("export", export_fp))
+    bind(store, f"registry/{model}/{version}/{MANIFEST}", "package", model=model, version=version)
+    return version
+
+
+def write_champion(store: ArtifactStore, model: str, version: str) -> None:
+    record = {"version": version, "previous": None, "reason": "test"}
+    location = store.location("registry", model, CHAMPION)
+    write_json(location, sign(record, place=place("champion", model=model)))
+
+
+def write_latest(store: ArtifactStore, pipeline: str, name: str, record: dict) -> None:
+    location = store.location("latest", pipeline, name)
+    write_json(location, sign(record, place=place("latest", pipeline=pipeline, name=name)))
+
+
+def write_lease(store: ArtifactStore, run_id: str, record: dict) -> None:
+    location = lease_location(store.url, run_id)
+    write_json(location, sign(record, place=place("lease", run_id=run_id)))
 
 
 def put(store: ArtifactStore, rel: str, data: bytes = b"x" * 10) -> None:
@@ -65,7 +114,8 @@ def write_record(store: ArtifactStore, run_id: str, stages: dict[str, str]) -> N
         "status": "completed",
         "stages": {s: {"status": "ran", "fingerprint": f} for s, f in stages.items()},
     }
-    store.write_run_record(run_id, record)
+    location = safe_join(store.url, f"runs/{run_id}/summary.json", "a run id")
+    write_json(location, sign(record, place=place("run-record", run_id=run_id)))
 
 
 def files(store: ArtifactStore) -> dict[str, int]:
@@ -87,7 +137,7 @@ def files(store: ArtifactStore) -> dict[str, int]:
 
 
 def backdate(store: ArtifactStore, rel: str, seconds: float) -> None:
-    """Make everything under `rel` look last written `seconds` ago."""
+    """Make everything under `rel` look last written `seconds` ago (nothing there: no-op)."""
     when = time.time() - seconds
     location = store.location(*rel.split("/"))
     if store.remote:  # memory://: the listing's "created"
@@ -96,6 +146,8 @@ def backdate(store: ArtifactStore, rel: str, seconds: float) -> None:
             fs.store[name].created = datetime.fromtimestamp(when, UTC)
         return
     base = Path(location)
+    if not base.exists():
+        return
     for path in [base, *(base.rglob("*") if base.is_dir() else [])]:
         os.utime(path, (when, when), follow_symlinks=False)
 
@@ -125,12 +177,9 @@ def test_gc_keeps_what_runs_models_and_pointers_name_frees_the_rest_and_a_dry_ru
     write_record(store, "20260201T000000-old00000", {"shard": b})  # beyond --keep-runs 1
     write_record(store, "20250101T000000-yng00000", {"train": c})  # an old id, written now
     for version in (v1, v2):  # registered packages; v1 the champion
-        store.publish_model("ctr", version[:12], store.output_url("export", version))
-    write_json(
-        store.location("registry", "ctr", CHAMPION),
-        sign({"version": v1[:12], "previous": None, "reason": "test"}),
-    )
-    store.record_latest("tiny", "preprocess", store.output_url("preprocess", p))
+        register(store, "ctr", version)
+    write_champion(store, "ctr", v1[:12])
+    write_latest(store, "tiny", "preprocess.json", {"output": store.output_url("preprocess", p)})
     old_key, young_key = "1" * 64, "2" * 64
     old_checkpoint = f"checkpoints/train/{old_key}"
     leftovers = [  # (a file, the unit it makes that is old, or "" when it is young)
@@ -147,7 +196,7 @@ def test_gc_keeps_what_runs_models_and_pointers_name_frees_the_rest_and_a_dry_ru
     for rel, _ in leftovers:
         put(store, rel)
     dead = {"run_id": "dead", "started": 0.0, "heartbeat": 0.0, "fingerprints": None}
-    write_json(lease_location(store.url, "dead"), sign(dead))  # a killed run's lease
+    write_lease(store, "dead", dead)  # a killed run's lease
     if store.remote:  # a killed upload's data prefix beside a kept output's live one
         put(store, f"stages/ingest/{a}/data-0rphan000000/part-0.bin")
 
@@ -262,14 +311,15 @@ def test_a_lease_beats_until_released_and_a_dead_runs_lease_stops_protecting(
     lease = RunLease(store.url, "20260101T000000-live0000", interval_s=0.05)
     location = Path(lease_location(store.url, lease.run_id))
     lease.start()
-    first = loads_verified(location.read_text(), str(location))
+    bound = place("lease", run_id=lease.run_id)
+    first = loads_verified(location.read_text(), str(location), place=bound)
     assert first["fingerprints"] is None and first["run_id"] == lease.run_id
     deadline = time.monotonic() + 10
-    while loads_verified(location.read_text(), "")["heartbeat"] == first["heartbeat"]:
+    while loads_verified(location.read_text(), "", place=bound)["heartbeat"] == first["heartbeat"]:
         assert time.monotonic() < deadline, "the lease was not refreshed"
         time.sleep(0.02)
     lease.name([fp("b")])
-    assert loads_verified(location.read_text(), "")["fingerprints"] == [fp("b")]
+    assert loads_verified(location.read_text(), "", place=bound)["fingerprints"] == [fp("b")]
     # Live and naming other fingerprints: the old output it does not name may go.
     report = collect_garbage(store.url, keep_runs=0, older_than_s=0, dry_run=True)
     assert [item.location for item in report.freed] == [f"stages/ingest/{fp('a')}"]
@@ -282,7 +332,7 @@ def test_a_lease_beats_until_released_and_a_dead_runs_lease_stops_protecting(
     # gc keeps every output; once stale, nothing, and the lease itself goes.
     now = time.time()
     dead = {"run_id": "dead", "started": now, "heartbeat": now, "fingerprints": None}
-    write_json(lease_location(store.url, "dead"), sign(dead))
+    write_lease(store, "dead", dead)
     kept = collect_garbage(store.url, keep_runs=0, older_than_s=0, stale_after_s=60)
     assert kept.freed == [] and kept.kept["live leases of running flows"] == 1
     time.sleep(0.3)
@@ -322,10 +372,14 @@ def test_gc_during_a_running_flow_deletes_nothing_the_run_uses(
 
     def stages(config, plans, store, outputs, parent=None) -> None:
         (lease,) = [r for r in files(store) if r.startswith("leases/") and r.endswith(".json")]
-        record = loads_verified(_read(store, lease), lease)  # signed by the run key
+        bound = place("lease", run_id=lease.split("/")[1].removesuffix(".json"))
+        record = loads_verified(_read(store, lease), lease, place=bound)  # the run key's
         assert record["fingerprints"] == sorted(planned.values())
         deadline = time.monotonic() + 10
-        while loads_verified(_read(store, lease), lease)["heartbeat"] == record["heartbeat"]:
+        while (
+            loads_verified(_read(store, lease), lease, place=bound)["heartbeat"]
+            == record["heartbeat"]
+        ):
             assert time.monotonic() < deadline, "the lease was not refreshed"
             time.sleep(0.02)
         seen["during"] = gc()
@@ -416,19 +470,22 @@ def test_a_replayed_or_forged_run_record_cannot_push_kept_runs_out(tmp_path: Pat
 
     report = collect_garbage(store.url, keep_runs=1, older_than_s=WEEK)
 
-    assert {item.location for item in report.freed} == {
-        "runs/20260101T000000-older000",  # the older record itself goes ...
-        f"stages/ingest/{junk}",
-    }  # ... but the newest verified record keeps its output, the replay keeps what it names
-    assert replay.exists() and forged.exists()  # neither verifies: not deleted either
-    reason = "run records that do not verify (kept, and keeping what they name)"
-    assert report.kept[reason] == 2
+    # The older record itself goes: the replay and the forgery do not count among the
+    # newest. Neither verifies, so both stay, and each keeps every stage output (what they
+    # named cannot be known): the junk output stays too.
+    assert {item.location for item in report.freed} == {"runs/20260101T000000-older000"}
+    assert replay.exists() and forged.exists()
+    assert report.kept["run records that do not verify (kept; they keep every stage output)"] == 2
+    assert report.kept["stage outputs the kept run records name"] == 1  # the newer one's
+    assert report.kept["stage outputs kept because a record does not verify"] == 2
+    (note,) = [n for n in report.notes if "99991231T235959-replay00" in n]
+    assert "relocated copy" in note and "run_id=20260101T000000-" in note
 
 
 def plant(base: Path) -> tuple[ArtifactStore, Path]:
     """A root whose `failed/` a writer replaced with a symlink to a directory outside it,
     a forged run record and a forged lease naming `..` and outside paths, and an old
-    output that is legitimately garbage. Returns the store and the victim's file."""
+    output. Returns the store and the victim's file."""
     victim = base / "victim"
     precious = victim / "ingest" / "0123456789abcdef-20250101T000000" / "precious.txt"
     precious.parent.mkdir(parents=True)
@@ -481,12 +538,11 @@ def test_forged_names_and_a_symlink_cannot_make_gc_delete_outside_the_root(
     assert precious.read_text() == "not recforge's\n"
     assert any("refused failed/ingest/" in note for note in report.notes)
     root = Path(store.url)
-    # What is legitimately garbage still goes; the forged record stays (it keeps more).
-    assert {item.location for item in report.freed} == {
-        f"stages/ingest/{fp('a')}",
-        "leases/evil.json",  # stale: its claimed heartbeat is not signed
-    }
+    # The forged record stays and keeps every stage output (keeping more); the forged
+    # lease is stale (its claimed heartbeat is not signed) and goes.
+    assert {item.location for item in report.freed} == {"leases/evil.json"}
     assert (root / "runs" / "evil" / "summary.json").exists()
+    assert (root / "stages" / "ingest" / fp("a")).is_dir()
 
 
 def test_a_run_that_starts_while_gc_deletes_is_seen_before_the_next_deletion(
@@ -512,3 +568,42 @@ def test_a_run_that_starts_while_gc_deletes_is_seen_before_the_next_deletion(
         lease.release()
     assert len(report.freed) == 1
     assert report.kept["stage outputs a flow started using meanwhile"] == 5
+
+
+def test_a_lease_copied_under_another_runs_name_does_not_verify_and_keeps_more(
+    tmp_path: Path,
+) -> None:
+    store = ArtifactStore(tmp_path / "root")
+    named, other = fp("a"), fp("b")
+    publish(store, "ingest", named)
+    publish(store, "ingest", other)
+    backdate(store, "stages", DAY)
+    now = time.time()
+    lease = {"run_id": "20260101T000000-real0000", "started": now, "heartbeat": now}
+    write_lease(store, lease["run_id"], {**lease, "fingerprints": [named]})
+    genuine = Path(lease_location(store.url, lease["run_id"]))
+    copy = Path(lease_location(store.url, "20260101T000000-copy0000"))
+    copy.write_bytes(genuine.read_bytes())
+
+    report = collect_garbage(store.url, keep_runs=0, older_than_s=0, dry_run=True)
+
+    assert report.freed == []  # the copy is fresh: it keeps every stage output
+    assert report.kept["leases that do not verify (kept; while fresh they keep more)"] == 1
+    (note,) = [n for n in report.notes if copy.name in n]
+    assert "relocated copy" in note and "run_id=20260101T000000-" in note
+    genuine.unlink()
+    assert collect_garbage(store.url, keep_runs=0, older_than_s=0, dry_run=True).freed == []
+
+
+def test_the_report_names_a_bounded_number_of_records_that_do_not_verify(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path / "root")
+    for number in range(gc_module._MAX_NOTES + 20):
+        put(store, f"runs/20260101T000000-junk{number:04d}/summary.json", b"{}")
+
+    report = collect_garbage(store.url, keep_runs=0, older_than_s=0, dry_run=True)
+
+    assert len(report.notes) == gc_module._MAX_NOTES + 1
+    assert report.notes[-1].startswith("... and 20 more records that do not verify")
+    assert report.kept["run records that do not verify (kept; they keep every stage output)"] == (
+        gc_module._MAX_NOTES + 20
+    )

@@ -236,7 +236,7 @@ def test_checkpoints_mirror_to_s3_and_the_newest_that_verifies_comes_back(
 ) -> None:
     url = f"{s3_root}/checkpoints/train/{FP}"
     lines: list[str] = []
-    local = CheckpointStore(tmp_path / "one", keep=2)
+    local = CheckpointStore(tmp_path / "one", keep=2, fingerprint=FP)
     mirror = CheckpointMirror(local.root, url, keep=2, log=lines.append)
     with mirror.pushing():
         for step in (10, 20, 30):
@@ -248,7 +248,7 @@ def test_checkpoints_mirror_to_s3_and_the_newest_that_verifies_comes_back(
     # Another machine, nothing local: the newest remote checkpoint is downloaded, verified.
     fresh = CheckpointMirror(tmp_path / "two", url, keep=2, log=lines.append)
     assert fresh.pull() == 30
-    resumed = CheckpointStore(tmp_path / "two").latest_valid(strict=True)
+    resumed = CheckpointStore(tmp_path / "two", fingerprint=FP).latest_valid(strict=True)
     assert resumed.step == 30 and (resumed.path / "weights.bin").read_bytes() == b"\x1e" * 100
 
     # A corrupted newest object is refused by its manifest: the one before is the resume.
@@ -266,7 +266,7 @@ def test_the_pinned_best_checkpoint_survives_remote_retention_and_comes_back_wit
 ) -> None:
     url = f"{s3_root}/checkpoints/train/{FP}"
     lines: list[str] = []
-    local = CheckpointStore(tmp_path / "one", keep=1)
+    local = CheckpointStore(tmp_path / "one", keep=1, fingerprint=FP)
     mirror = CheckpointMirror(local.root, url, keep=1, log=lines.append)
     for step in (10, 20, 30):
         # Step 10 was the best validation: the later checkpoints pin it, as the ranks do.
@@ -282,7 +282,8 @@ def test_the_pinned_best_checkpoint_survives_remote_retention_and_comes_back_wit
     # Another machine resumes from 30 and gets the best weights (10) with it.
     fresh = CheckpointMirror(tmp_path / "two", url, keep=1, log=lines.append)
     assert fresh.pull() == 30
-    best = CheckpointStore(tmp_path / "two").verify(tmp_path / "two" / "step-00000010")
+    second = CheckpointStore(tmp_path / "two", fingerprint=FP)
+    best = second.verify(tmp_path / "two" / "step-00000010")
     assert best is None and any("pinned checkpoint of step 10 downloaded" in x for x in lines)
 
 

@@ -309,11 +309,11 @@ def test_a_short_key_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_forged_champion_score_is_not_trusted_by_the_gate(tmp_path: Path) -> None:
-    from tasks.promote import cached_metrics
+    from tasks.promote import cached_metrics, store_metrics
 
     cached = tmp_path / "champion-evals" / "v1-0123.json"
     cached.parent.mkdir()
     cached.write_text(json.dumps({"auc": 0.01, "logloss": 9.0}))  # makes any candidate win
-    assert cached_metrics(cached) is None
-    cached.write_text(json.dumps(sign({"auc": 0.71, "logloss": 0.52})))
-    assert cached_metrics(cached) == {"auc": 0.71, "logloss": 0.52}
+    assert cached_metrics(cached, "ctr", "v1", "0123") is None
+    store_metrics(cached, {"auc": 0.71, "logloss": 0.52}, "ctr", "v1", "0123")
+    assert cached_metrics(cached, "ctr", "v1", "0123") == {"auc": 0.71, "logloss": 0.52}

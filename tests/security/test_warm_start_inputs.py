@@ -8,6 +8,7 @@ read, and every stored name is checked before it is joined onto a path.
 """
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 from artifacts.errors import ConfigError, CorruptOutput
 from artifacts.locations import UnsafeName
 from artifacts.registry import Registry
-from artifacts.signing import KEY_ENV
+from artifacts.signing import KEY_ENV, SignatureError
 from artifacts.store import ArtifactStore
 from tasks.incremental import resolve_parent
 from training.config import TrainConfig
@@ -48,9 +49,17 @@ def register(store: ArtifactStore, version: str, files: dict[str, dict]) -> Path
     for name, content in files.items():
         (staging / name).write_text(json.dumps(content))
     store.publish("export", fp, staging, {})
-    published = store.publish_model(MODEL, version, store.output_dir("export", fp))
+    published = Path(store.publish_model(MODEL, version, store.output_dir("export", fp)))
     Registry(store, MODEL).promote(version, "test")
-    return Path(published)
+    return published
+
+
+def publish_train(store: ArtifactStore, fp: str, world_size: int) -> Path:
+    """A train output of fingerprint `fp` (its final weights stand in for the checkpoint)."""
+    staging = store.new_staging("train", fp)
+    (staging / "model.safetensors").write_bytes(b"weights of " + fp[:8].encode())
+    store.publish("train", fp, staging, {"world_size": world_size})
+    return store.output_dir("train", fp)
 
 
 def publish(store: ArtifactStore, version: str, lineage: dict) -> Path:
@@ -120,3 +129,29 @@ def test_a_champion_without_lineage_or_chain_is_refused_by_name(tmp_path: Path) 
         resolve_parent(config("champion"), store)
     with pytest.raises(ConfigError, match="ingest.partition"):
         resolve_parent(config("champion", None), store)
+
+
+def test_a_train_output_copied_over_the_lineages_is_refused(tmp_path: Path) -> None:
+    """The attacker cannot sign, but can copy another signed train output (another
+    parent's weights, another world size) over the one the champion's lineage names."""
+    store = ArtifactStore(tmp_path / "root")
+    honest = publish_train(store, HONEST_TRAIN, world_size=2)
+    other = publish_train(store, "b" * 64, world_size=7)
+    publish(store, "v1", {"parent": None, "train": HONEST_TRAIN})
+    parent = resolve_parent(config("champion"), store)
+    assert parent.train_output(store).meta["world_size"] == 2
+    shutil.rmtree(honest)
+    shutil.copytree(other, honest)
+    with pytest.raises((SignatureError, CorruptOutput), match="bbbbbbbbbbbbbbbb"):
+        parent.train_output(store)
+
+
+def test_an_old_package_copied_over_the_champion_steers_no_warm_start(tmp_path: Path) -> None:
+    """An old version's package (another lineage) copied over the champion's directory."""
+    store = ArtifactStore(tmp_path / "root")
+    old = publish(store, "v1", {"parent": None, "train": "b" * 64})
+    champion = publish(store, "v2", {"parent": None, "train": HONEST_TRAIN})
+    shutil.rmtree(champion)
+    shutil.copytree(old, champion)
+    with pytest.raises(SignatureError, match="version=v1.*version=v2"):
+        resolve_parent(config("champion"), store)

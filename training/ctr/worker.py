@@ -66,6 +66,7 @@ from safetensors.torch import load_file, save_file
 
 from artifacts.checkpoints import CheckpointCorrupt, CheckpointStore
 from artifacts.errors import ConfigError
+from artifacts.signing import place
 from artifacts.store import check_output_dir
 from training.config import TrainConfig
 from training.ctr.consolidate import TABLE_NAME, table_chunks
@@ -112,6 +113,7 @@ from training.runtime.rank import (
     open_tensorboard,
     rank_main,
     rank_state_file,
+    require_rank_key,
     save_resume_checkpoint,
     seed_everything,
     set_rng_state,
@@ -353,9 +355,12 @@ def run(spec: dict[str, Any]) -> None:
         spec: The parsed launch.json.
 
     Raises:
-        ConfigError: The launcher started a different number of ranks than configured.
+        ConfigError: The launcher started a different number of ranks than configured,
+            or the spec's artifact root is remote and no run key is set.
         Preempted: SIGTERM arrived; the resume checkpoint of that step is committed.
     """
+    # Before anything is read back: without the key nothing read would be verified.
+    require_rank_key(spec)
     startup = _StartupClock()
     config = TrainConfig.model_validate(spec["train_config"])
     out_dir = Path(spec["out_dir"])
@@ -511,10 +516,15 @@ def warm_start(
     Raises:
         CheckpointCorrupt: The parent's train output no longer matches its signed
             manifest (rank 0 checks every file before any rank reads one).
+        SignatureError: That manifest does not verify; `MisplacedRecord`: it is another
+            output's, copied over it since the task verified it.
     """
     parent_dir = Path(warm["weights"]).parent
     if rank == 0:
-        problem = check_output_dir(parent_dir)
+        # Bound to the train output of the fingerprint the directory is named by
+        # (`stages/train/<fp>`, or its local mirror): a copy of another output is refused.
+        bound = place("stage-output", stage="train", fingerprint=parent_dir.name)
+        problem = check_output_dir(parent_dir, bound)
         if problem:
             raise CheckpointCorrupt(
                 f"train.init: the parent's train output changed since it was verified: "
