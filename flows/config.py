@@ -3,14 +3,29 @@
 ``load_config`` reads the YAML, applies ``--set section.key=value`` overrides and
 validates everything at once. Unknown keys are errors; every error names the
 file, the field and the offending value.
+
+Overrides come from whoever starts a run, a Prefect UI user included (docs/security.md),
+so reading them is bounded: an override holds at most `MAX_OVERRIDE_CHARS` characters
+and no YAML anchor or alias, a config file at most `MAX_CONFIG_BYTES` bytes whose
+aliases expand to at most `MAX_YAML_NODES` values, both nested at most
+`MAX_YAML_DEPTH` deep; a value echoed in an error is cut to `SHOWN_CHARS` characters,
+each problem's line to `MAX_PROBLEM_CHARS`, and at most `MAX_PROBLEMS` are listed.
 """
 
 import datetime
 import re
+import reprlib
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from artifacts.errors import ConfigError
 from data_prep.drift import DriftConfig
@@ -20,7 +35,53 @@ from data_prep.schema import SchemaConfig
 from data_prep.shard import ShardConfig
 from data_prep.synthetic import GenerateConfig
 from training.blessing import BlessConfig
-from training.config import EvaluateConfig, ExportConfig, TrainConfig, evaluate_export_problems
+from training.config import (
+    EvaluateConfig,
+    ExportConfig,
+    TrainConfig,
+    check_plain_name,
+    evaluate_export_problems,
+)
+
+# Bounds on what a config file and an override may hold (the module docstring).
+MAX_CONFIG_BYTES = 1 << 20
+MAX_OVERRIDE_CHARS = 16 << 10
+MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 20
+# Bounds on an error message: a value echoed, one problem's line, problems listed.
+SHOWN_CHARS = 200
+MAX_PROBLEM_CHARS = 500
+MAX_PROBLEMS = 20
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxdict = 8
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = SHOWN_CHARS
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)` for an error message, bounded whatever the value holds.
+
+    Args:
+        value: A value from a config file or an override (a string, number, list, ...).
+        limit: The most characters returned.
+
+    Returns:
+        Its repr, at most `limit` characters: nested containers shortened, the cut
+        marked with an ellipsis.
+    """
+    return clipped(_REPR.repr(value), limit)
+
+
+def clipped(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters: its start and end, an ellipsis between.
+
+    The end is kept because a message ends with what to change.
+    """
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    return text[: limit - tail - 1] + "…" + text[-tail:]
 
 
 class PipelineConfig(BaseModel):
@@ -28,7 +89,10 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(description="Pipeline name, used in run names and the model card.")
+    name: str = Field(
+        description="Pipeline name, used in run names, the model card and the root's "
+        "latest/<name>/ pointers: one plain name (letters, digits, '_', '.', '-').",
+    )
     generate: GenerateConfig | None = Field(
         default=None, description="Synthetic data for `recforge generate` (the embedded default)."
     )
@@ -46,6 +110,12 @@ class PipelineConfig(BaseModel):
         default=BlessConfig(),
         description="When an exported model may replace the registry's champion.",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        # It names a directory under the root (latest/<name>/): never a path.
+        return check_plain_name(value, "name", "the pipeline's name")
 
     @model_validator(mode="after")
     def _stages_apply_to_the_model(self) -> "PipelineConfig":
@@ -151,16 +221,14 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
             ``true``, ``[64, 32]``).
 
     Raises:
-        ConfigError: the file is missing or not YAML, an override is malformed or
-            names no field, or validation fails. One line per problem.
+        ConfigError: the file is missing, too large or not YAML, an override is
+            malformed, too long or names no field, or validation fails. One line per
+            problem, values cut short (the module docstring).
     """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist; pass a YAML file under configs/.")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    raw = parse_yaml(read_config_text(path), str(path), aliases=True) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections.")
     for override in overrides:
@@ -171,37 +239,168 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(describe_validation_error(err, path)) from err
 
 
+def read_config_text(path: Path) -> str:
+    """The text of a config file, read up to `MAX_CONFIG_BYTES`.
+
+    Raises:
+        ConfigError: The file is larger, or not UTF-8.
+    """
+    with path.open("rb") as file:
+        data = file.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{path}: larger than {MAX_CONFIG_BYTES} bytes, which is no pipeline config; "
+            "check that the path names the right file"
+        )
+    try:
+        return data.decode()
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {err.start}); save the file as UTF-8"
+        ) from None
+
+
+def parse_yaml(text: str, what: str, *, aliases: bool) -> object:
+    """YAML text as Python values (`yaml.safe_load`), after `check_yaml_size`.
+
+    Args:
+        text: The YAML.
+        what: Where it came from, for messages (the file, or `--set key`).
+        aliases: Whether anchors and aliases are allowed (a file: yes; an override: no).
+
+    Raises:
+        ConfigError: Naming `what`: it is not YAML, nested or expanded past the bounds,
+            holds an alias where none is allowed, or a value that does not convert (an
+            integer longer than Python converts, an impossible date).
+    """
+    try:
+        check_yaml_size(text, what, aliases=aliases)
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{what}: not valid YAML ({clipped(str(err), SHOWN_CHARS)})") from None
+    except ValueError as err:  # an int past Python's digit limit, a date like 2024-13-01
+        reason = clipped(str(err).partition(";")[0], SHOWN_CHARS)  # not its advice on limits
+        raise ConfigError(
+            f"{what}: a value YAML cannot convert ({reason}); correct it, or quote it to "
+            "make it a string"
+        ) from None
+
+
+def check_yaml_size(text: str, what: str, *, aliases: bool) -> None:
+    """Refuse YAML nested deeper than `MAX_YAML_DEPTH` or expanding past `MAX_YAML_NODES`.
+
+    One pass over the parser's events (no recursion, nothing built): each anchored
+    node's expanded size is counted once, and an alias adds its anchor's size, so an
+    alias bomb (nine aliases of nine aliases of ...) is refused from its text alone.
+
+    Args:
+        text: The YAML.
+        what: Where it came from, for messages.
+        aliases: False: any anchor or alias is refused.
+
+    Raises:
+        ConfigError: Naming `what` and the bound.
+        yaml.YAMLError: The text is not YAML.
+    """
+    sizes: dict[str, int] = {}  # anchor -> expanded values under it
+    open_nodes: list[list] = []  # [anchor, values so far] of each open collection
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None and not aliases:
+            raise ConfigError(
+                f"{what}: the value holds a YAML anchor or alias (&{clipped(anchor, 40)}, "
+                f"*{clipped(anchor, 40)}), which an override may not; write the value out in full"
+            )
+        if isinstance(event, yaml.CollectionStartEvent):
+            open_nodes.append([anchor, 1])
+            if len(open_nodes) > MAX_YAML_DEPTH:
+                raise ConfigError(
+                    f"{what}: nested more than {MAX_YAML_DEPTH} deep, which no config "
+                    "field is; flatten the value"
+                )
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            anchor, size = open_nodes.pop()
+            if anchor is not None:
+                sizes[anchor] = size
+        elif isinstance(event, yaml.AliasEvent):
+            if any(node[0] == anchor for node in open_nodes):
+                raise ConfigError(
+                    f"{what}: the alias *{clipped(anchor, 40)} refers to a value that holds "
+                    "it (a cycle); write the value out in full"
+                )
+            size = sizes.get(anchor, 1)  # an undefined one: yaml.safe_load refuses it
+        elif isinstance(event, yaml.ScalarEvent):
+            size = 1
+            if anchor is not None:
+                sizes[anchor] = size
+        else:
+            continue  # stream and document boundaries
+        if open_nodes:
+            open_nodes[-1][1] += size
+            size = open_nodes[-1][1]
+        if size > MAX_YAML_NODES:
+            raise ConfigError(
+                f"{what}: its YAML aliases expand to more than {MAX_YAML_NODES} values "
+                "(an alias bomb?); write the values out, or use fewer aliases"
+            )
+
+
+def override_key(override: str) -> str:
+    """The ``section.key`` of a ``section.key=value`` override, as `apply_override` reads it."""
+    return override.partition("=")[0].strip()
+
+
 def apply_override(raw: dict, override: str, path: Path) -> None:
-    """Set ``section.key=value`` in the raw config mapping, in place."""
+    """Set ``section.key=value`` in the raw config mapping, in place.
+
+    Raises:
+        ConfigError: The override is malformed, longer than `MAX_OVERRIDE_CHARS`, names
+            a key under a value that is no section, or its value is refused by
+            `parse_yaml` (no anchors or aliases).
+    """
     key, sep, value = override.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set '{override}': expected section.key=value.")
-    parts = key.strip().split(".")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {shown(override)}: expected section.key=value.")
+    what = f"--set {clipped(key, SHOWN_CHARS)}"
+    if len(override) > MAX_OVERRIDE_CHARS:
+        raise ConfigError(
+            f"{what}: the override is {len(override)} characters, more than "
+            f"{MAX_OVERRIDE_CHARS}; put a value that long in the config file"
+        )
+    parts = key.split(".")
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set '{override}': '{part}' in {path} is not a section.")
+            raise ConfigError(f"{what}: {shown(part)} in {path} is not a section.")
         node = child
-    try:
-        node[parts[-1]] = yaml.safe_load(value)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--set '{override}': value is not valid YAML ({err}).") from err
+    node[parts[-1]] = parse_yaml(value, what, aliases=False)
 
 
 def describe_validation_error(err: ValidationError, path: Path) -> str:
-    lines = [f"{path}: invalid config ({err.error_count()} problem(s)):"]
-    for problem in err.errors():
-        field = ".".join(str(p) for p in problem["loc"]) or "(top level)"
+    """One line per problem (at most `MAX_PROBLEMS`), each naming the field and the value.
+
+    Values are shown cut short (`shown`), and each line is cut to `MAX_PROBLEM_CHARS`:
+    a validator's message may echo a value of any size.
+    """
+    problems = err.errors()
+    lines = [f"{path}: invalid config ({len(problems)} problem(s)):"]
+    for problem in problems[:MAX_PROBLEMS]:
+        field = clipped(".".join(str(p) for p in problem["loc"]), SHOWN_CHARS) or "(top level)"
         if problem["type"] == "extra_forbidden":
-            lines.append(
-                f"  {field}: unknown key (value {problem['input']!r}); remove it or fix its "
-                "spelling."
+            line = (
+                f"  {field}: unknown key (value {shown(problem['input'])}); remove it or fix "
+                "its spelling."
             )
         elif not problem["loc"]:
             # A check across sections names its fields and values; its input is the
             # whole config, not worth repeating.
-            lines.append(f"  {field}: {problem['msg']}")
+            line = f"  {field}: {problem['msg']}"
         else:
-            lines.append(f"  {field}: {problem['msg']} (got {problem['input']!r})")
+            line = f"  {field}: {problem['msg']} (got {shown(problem['input'])})"
+        lines.append(clipped(line, MAX_PROBLEM_CHARS))
+    if len(problems) > MAX_PROBLEMS:
+        lines.append(f"  ... and {len(problems) - MAX_PROBLEMS} more; fix these first")
     return "\n".join(lines)

@@ -16,9 +16,13 @@ anything is read or written):
   prefixes; default: the root the deployment was created with);
 - `config` must resolve, symlinks followed, under $RECFORGE_CONFIG_DIR (default: this
   checkout's configs/);
-- an override of a field that says where data is read or written or where ranks run
-  (`LOCATION_FIELDS`, or its whole section) must be one of the deployment's own default
-  overrides; everything else is validated by the config as for `recforge run`.
+- the fields that say where data is read or written or where ranks run
+  (`LOCATION_FIELDS`) and the ones that decide which model may replace a champion
+  (`GATE_FIELDS`: `bless.*`, `export.model_name`, `train.init`, `name`) are pinned
+  (`PINNED_FIELDS`): a run's overrides of them, or of a section above them, must be
+  exactly the deployment's own default overrides of them, in the same order (Prefect
+  replaces the whole `overrides` list, so leaving one out would be an override too);
+  everything else is validated by the config as for `recforge run`.
 
 Set both variables where the flows run: in the environment of `recforge serve`, or of
 the work pool's workers.
@@ -36,6 +40,7 @@ from prefect import runtime
 
 from artifacts.errors import ConfigError
 from artifacts.locations import check_location, is_remote
+from flows.config import SHOWN_CHARS, clipped, override_key
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRYPOINTS = {"pipeline": "flows/pipeline.py:pipeline", "rerun": "flows/pipeline.py:rerun"}
@@ -54,6 +59,18 @@ LOCATION_FIELDS = (
     "train.master_port",
     "train.ssh_port",
 )
+# Overrides that decide which model may replace a champion: the gate itself, the model
+# whose CHAMPION a run moves, the model a warm start loads, and the pipeline's `latest/`
+# pointers (the drift baseline). Pinned like the locations.
+GATE_FIELDS = ("bless", "export.model_name", "train.init", "name")
+# Why each pinned field is pinned, for the message.
+PINNED_FIELDS = {
+    **dict.fromkeys(LOCATION_FIELDS, "says where data is read or written or where ranks run"),
+    "bless": "decides whether a model may replace the champion",
+    "export.model_name": "names the model whose champion a run may replace",
+    "train.init": "names the model a warm start loads",
+    "name": "names the pipeline's latest/ pointers and runs",
+}
 
 
 def check_deployment_run(config: str, root: str, overrides: list[str]) -> None:
@@ -130,23 +147,55 @@ def check_config_path(config: str, directory: Path) -> None:
         )
 
 
+def pinned_field(key: str) -> str | None:
+    """The `PINNED_FIELDS` field an override of `key` sets, or None.
+
+    `key` sets a pinned field when it is the field, a section above it (`train` sets
+    `train.init`) or a key inside it (`bless.thresholds.auc` sets `bless`).
+    """
+    return next(
+        (
+            field
+            for field in PINNED_FIELDS
+            if key == field or field.startswith(key + ".") or key.startswith(field + ".")
+        ),
+        None,
+    )
+
+
 def check_overrides(overrides: list[str], defaults: list[str]) -> None:
-    """Refuse an override of a `LOCATION_FIELDS` field (or its section) not in `defaults`.
+    """Refuse a run's overrides of `PINNED_FIELDS` unless they are exactly `defaults`' own.
+
+    Args:
+        overrides: The run's overrides.
+        defaults: The deployment's own default overrides.
 
     Raises:
-        ConfigError: Naming the field and the deployment's own value for it.
+        ConfigError: An override of a pinned field (or its section) that the deployment
+            does not have, naming the field and the deployment's own value for it; or the
+            deployment's own overrides of pinned fields are not all repeated, in order.
     """
-    for override in overrides:
-        key = override.partition("=")[0].strip()
-        field = next((f for f in LOCATION_FIELDS if f == key or f.startswith(key + ".")), None)
-        if field is None or override in defaults:
+    pinned = [o for o in overrides if pinned_field(override_key(o))]
+    own = [d for d in defaults if pinned_field(override_key(d))]
+    for override in pinned:
+        if override in own:
             continue
-        own = [d for d in defaults if d.partition("=")[0].strip() == key] or ["none"]
+        key = clipped(override_key(override), SHOWN_CHARS)
+        field = pinned_field(override_key(override))
+        same = [d for d in own if pinned_field(override_key(d)) == field] or ["none"]
         raise ConfigError(
-            f"deployment parameter overrides: {key} says where data is read or written or "
-            f"where ranks run ({', '.join(LOCATION_FIELDS)}), so a deployment run may set "
-            f"it only as the deployment does ({', '.join(own)}); put it in the config file "
+            f"deployment parameter overrides: {key} {PINNED_FIELDS[field]}, so a "
+            f"deployment run may set it only as the deployment does "
+            f"({clipped(', '.join(same), 2 * SHOWN_CHARS)}); put it in the config file "
             f"under {config_dir()}, or create the deployment with --set {key}=..."
+        )
+    if pinned != own:
+        raise ConfigError(
+            "deployment parameter overrides: this deployment sets "
+            f"{clipped(', '.join(own) or 'none', 2 * SHOWN_CHARS)}, which say where data is "
+            "read or written or decide which model may replace a champion; a deployment "
+            "run must repeat these overrides in the same order (pinned: "
+            f"{', '.join(PINNED_FIELDS)}), and may add overrides of any other field"
         )
 
 

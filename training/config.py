@@ -34,12 +34,13 @@ WHERE_FIELDS = (
     "min_nodes",
 )
 
+# One plain name: a registry version (the export stage's fingerprint prefix, or any name
+# `recforge models` shows), a model name, a pipeline name. Each becomes one segment of a
+# path under the root, so no '/', no leading '.' (never '.' or '..'), and bounded.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
 # Train fields a resume may change: the layout (and what follows it to keep the global
 # batch), and how the run saves and reports. They do not name the resume checkpoints.
-# A registry version: one plain name (the export stage's fingerprint prefix, or any name
-# `recforge models` shows).
-_VERSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-
 RESUME_FREE_FIELDS = (
     "world_size",
     "batch_size",
@@ -53,6 +54,30 @@ RESUME_FREE_FIELDS = (
     "prefetch_batches",
     "memory_per_rank_gb",
 )
+
+
+def check_plain_name(value: str, field: str, use: str) -> str:
+    """`value`, refused unless it is one plain name (`PLAIN_NAME`).
+
+    Args:
+        value: The name from the config or an override.
+        field: The field, as the user writes it (``export.model_name``).
+        use: What the name becomes, for the message.
+
+    Returns:
+        `value`, unchanged.
+
+    Raises:
+        ValueError: Naming the field, a bounded view of the value, and the rule.
+    """
+    if PLAIN_NAME.fullmatch(value):
+        return value
+    raise ValueError(
+        f"{field}={value[:80]!r}{'…' if len(value) > 80 else ''} is not one plain name: "
+        f"{use} is a directory under the root, so use letters, digits, '_', '.' and '-' "
+        "only, starting with a letter or digit, at most 128 characters"
+    )
+
 
 # Train fields that say how a run saves or runs on its machine, not what it trains; left
 # out of the stage's cache key besides WHERE_FIELDS (added later than the key, so that
@@ -468,7 +493,7 @@ class TrainConfig(BaseModel):
         "local",
         description="launcher 'per_node': where the node task runs go. 'local': threads of "
         "the train task on this machine (one machine, tests). 'workers': Prefect task "
-        "workers, one on each node (`recforge node-worker --node-rank I`, same "
+        "workers, one on each node (`recforge node-worker --node-rank I --root ROOT`, same "
         "PREFECT_API_URL; node 0's on master_addr); needs an object-store root and a "
         "Prefect server.",
     )
@@ -655,7 +680,7 @@ class TrainConfig(BaseModel):
         """train.init (ValueError naming the field and what is missing)."""
         if self.init is None:
             return
-        if self.init != "champion" and not _VERSION_NAME.fullmatch(self.init):
+        if self.init != "champion" and not PLAIN_NAME.fullmatch(self.init):
             raise ValueError(
                 f"train.init={self.init[:80]!r} is neither 'champion' nor a registry version "
                 "name (letters, digits, '_', '.', '-'); `recforge models list` shows them"
@@ -1026,7 +1051,11 @@ class ExportConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model_name: str = Field("ctr", min_length=1, description="Name of the exported model.")
+    model_name: str = Field(
+        "ctr",
+        description="Name of the exported model: its registry directory (registry/<name>/, "
+        "with its CHAMPION), so one plain name (letters, digits, '_', '.', '-').",
+    )
     parity_rows: int = Field(
         1000, ge=1, description="Test rows scored by torch, ONNX and TorchScript for parity."
     )
@@ -1059,6 +1088,13 @@ class ExportConfig(BaseModel):
         description="CTR models: timed calls behind each infra validation latency figure "
         "(one-record calls and whole-sample calls).",
     )
+
+    @field_validator("model_name")
+    @classmethod
+    def _check_model_name(cls, value: str) -> str:
+        # registry/<model_name>/ holds the model's versions and its CHAMPION: a path
+        # here would promote into another model's directory, or outside the root.
+        return check_plain_name(value, "export.model_name", "the model's registry name")
 
 
 # Evaluate fields only the CTR models read, with what a sequence model takes instead

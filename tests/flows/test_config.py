@@ -4,7 +4,18 @@ from pathlib import Path
 import pytest
 
 from artifacts.errors import ConfigError
-from flows.config import backfill_days, backfill_overrides, expand_schedule, load_config
+from flows.config import (
+    MAX_CONFIG_BYTES,
+    MAX_PROBLEMS,
+    SHOWN_CHARS,
+    backfill_days,
+    backfill_overrides,
+    check_yaml_size,
+    clipped,
+    expand_schedule,
+    load_config,
+    shown,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -137,3 +148,61 @@ def test_backfill_days_are_checked_and_each_names_its_partition() -> None:
     ]:
         with pytest.raises(ConfigError, match=match):
             backfill_days(first, last)
+
+
+def test_a_config_file_may_use_yaml_anchors_within_bounds(tmp_path):
+    text = (REPO / "configs/tiny.yaml").read_text()
+    text = text.replace("  bottom_mlp: [32, 16]", "  bottom_mlp: &sizes [32, 16]")
+    text = text.replace("  top_mlp: [64, 32]", "  top_mlp: *sizes")
+    path = tmp_path / "anchored.yaml"
+    path.write_text(text)
+    assert load_config(path).train.top_mlp == [32, 16]
+    # An override may not: it comes from whoever starts the run.
+    with pytest.raises(ConfigError, match=r"--set train.top_mlp: .*anchor or alias"):
+        load_config(path, ["train.top_mlp=&a [8]"])
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "refusal"),
+    [
+        ("a: &a [1, *a]", "a cycle"),
+        ("a: " + "[" * 21 + "]" * 21, "nested more than 20 deep"),
+        ("a: &a [" + ", ".join(["1"] * 1000) + "]\nb: [" + ", ".join(["*a"] * 101) + "]", "expand"),
+    ],
+)
+def test_check_yaml_size_refuses_cycles_depth_and_expansion(yaml_text, refusal):
+    with pytest.raises(ConfigError, match=f"^where: .*{refusal}"):
+        check_yaml_size(yaml_text, "where", aliases=True)
+    check_yaml_size("a: &a [1, 2]\nb: [*a, *a]\nc: " + "[" * 19 + "]" * 19, "where", aliases=True)
+
+
+def test_a_config_file_too_large_or_not_utf8_is_refused(tmp_path):
+    large = tmp_path / "large.yaml"
+    large.write_text("# " + "x" * MAX_CONFIG_BYTES)
+    with pytest.raises(ConfigError, match=f"large.yaml: larger than {MAX_CONFIG_BYTES} bytes"):
+        load_config(large)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin.yaml: not UTF-8 text"):
+        load_config(latin)
+
+
+def test_values_in_messages_are_shown_bounded():
+    assert shown("x" * 10) == "'xxxxxxxxxx'"
+    assert len(shown("x" * 10_000)) <= SHOWN_CHARS
+    nested = [[list(range(1000))] * 1000] * 1000  # a billion values, shared
+    assert len(shown(nested)) <= SHOWN_CHARS
+    assert clipped("a" * 300 + " say what to change", 100).endswith("say what to change")
+    assert len(clipped("a" * 300, 100)) == 100
+
+
+def test_many_problems_are_listed_up_to_a_bound():
+    overrides = [f"train.unknown{i}=1" for i in range(MAX_PROBLEMS + 5)]
+    with pytest.raises(ConfigError, match=r"(?s)\(25 problem\(s\)\).*and 5 more") as err:
+        load_config(REPO / "configs/tiny.yaml", overrides)
+    assert "unknown24" not in str(err.value)
+
+
+def test_a_value_yaml_cannot_convert_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"--set ingest.partition: .*month must be in 1..12"):
+        load_config(REPO / "configs/tiny.yaml", ["ingest.partition=2024-13-01"])
