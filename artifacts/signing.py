@@ -147,7 +147,11 @@ def describe_place(record_place: Any) -> str:
     for name, value in record_place.items():
         if name != "type":
             text = str(value)
-            parts.append(f"{str(name)[:40]}={text[:16] + '..' if len(text) > 18 else text}")
+            if len(text) > 18 and "/" in text:  # a URL or path: its end tells it apart
+                text = f"..{text[-40:]}" if len(text) > 42 else text
+            elif len(text) > 18:  # a fingerprint: its start, as the CLI shows them
+                text = f"{text[:16]}.."
+            parts.append(f"{str(name)[:40]}={text}")
     return " ".join(parts)
 
 

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from artifacts.durable import file_sha256, fsync_file  # noqa: E402
-from artifacts.signing import KEY_ENV, loads_verified, sign  # noqa: E402
+from artifacts.signing import KEY_ENV, loads_verified, place, sign  # noqa: E402
 from artifacts.store import describe_files  # noqa: E402
 
 
@@ -84,8 +84,8 @@ def demo_figures(root: Path) -> dict:
         raise SystemExit(f"{root}: no signed records; run the demo there with a key set")
     start = time.perf_counter()
     for path, text, record in records:
-        sign(record)
-        loads_verified(text, str(path))
+        sign(record, place=record.get("place"))
+        loads_verified(text, str(path), place=record.get("place"))
     sign_verify_s = time.perf_counter() - start
     summaries = sorted(root.glob("runs/*/summary.json"), key=lambda p: p.stat().st_mtime)
     stages = json.loads(summaries[-1].read_text()).get("stages", {}) if summaries else {}
@@ -118,9 +118,10 @@ def main() -> None:
         files = describe_files(directory)
         sha256_s = time.perf_counter() - start
         manifest = {"step": 1000, "files": files, "meta": {"world_size": 2}}
-        text = json.dumps(sign(manifest))
-        ckpt_sign_s = timed(lambda: sign(manifest), 200)
-        ckpt_verify_s = timed(lambda: loads_verified(text, "bench"), 200)
+        bound = place("checkpoint", fingerprint="f" * 64, step=1000)
+        text = json.dumps(sign(manifest, place=bound))
+        ckpt_sign_s = timed(lambda: sign(manifest, place=bound), 200)
+        ckpt_verify_s = timed(lambda: loads_verified(text, "bench", place=bound), 200)
         # The exchange hashes what it uploads and what it downloads: one more pass each.
         start = time.perf_counter()
         for path in directory.iterdir():
@@ -132,9 +133,10 @@ def main() -> None:
         for i in range(args.manifest_files)
     }
     stage = {"stage": "shard", "fingerprint": "f" * 64, "files": entries, "meta": {}}
-    stage_text = json.dumps(sign(stage))
-    stage_sign_s = timed(lambda: sign(stage), 50)
-    stage_verify_s = timed(lambda: loads_verified(stage_text, "bench"), 50)
+    at = place("stage-output", stage="shard", fingerprint="f" * 64)
+    stage_text = json.dumps(sign(stage, place=at))
+    stage_sign_s = timed(lambda: sign(stage, place=at), 50)
+    stage_verify_s = timed(lambda: loads_verified(stage_text, "bench", place=at), 50)
 
     result = {
         "checkpoint_gb": args.checkpoint_gb,

@@ -75,7 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="map the data stages over a Dask cluster: a scheduler address (tcp://host:8786), "
         "or local:N for a LocalCluster of N worker processes. With an object-store --root the "
         "workers share no disk with this process: they read and write only under the root "
-        "(with their own credentials), and ingest.path must be a URL they can read",
+        "(with their own credentials), and ingest.path must be a URL they can read. A "
+        "scheduler on another machine needs tls:// (tcp:// neither encrypts nor "
+        "authenticates), or --dask-insecure",
+    )
+    run.add_argument(
+        "--dask-insecure",
+        action="store_true",
+        help="allow a plain tcp:// (or ws://) scheduler on another machine: only on a "
+        "network where nobody else can reach the scheduler and its workers",
     )
 
     backfill = commands.add_parser(
@@ -145,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument(
         "--node-rank", type=int, required=True, help="the node this machine is (0: master_addr)"
+    )
+    node.add_argument(
+        "--root",
+        required=True,
+        help="the artifact root the flow uses; this worker serves node runs under it only",
     )
 
     ui = commands.add_parser("ui", help="start a local Prefect server (SQLite) and print its URL")
@@ -253,10 +266,11 @@ def _node_worker(args: argparse.Namespace) -> int:
         # there could be told from a forgery.
         raise ConfigError(f"recforge node-worker: no signing key; {HOW_TO_SET}")
     check_prefect_api("recforge node-worker")
+    check_root(args.root)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from tasks.train_nodes import serve_node_worker
 
-    serve_node_worker(args.node_rank)
+    serve_node_worker(args.node_rank, args.root)
     return 0
 
 
@@ -273,6 +287,8 @@ def _run(args: argparse.Namespace) -> int:
     load_config(args.config, args.overrides)
     if args.root is not None:
         check_root(args.root)
+    if args.dask is not None:
+        check_dask_address(args.dask, insecure=args.dask_insecure)
     from flows.pipeline import RunParams, pipeline
 
     params = RunParams(
@@ -444,6 +460,67 @@ def _gc(args: argparse.Namespace) -> int:
     )
     print("\n".join(report.lines()))
     return 0
+
+
+# Dask schedulers by how they are reached: TLS (the `distributed` security config), or
+# plain sockets that neither encrypt nor authenticate (no scheme is tcp://).
+SECURE_DASK_SCHEMES = ("tls", "wss")
+PLAIN_DASK_SCHEMES = ("tcp", "ws", "ucx")
+
+
+def check_dask_address(address: str, insecure: bool = False) -> None:
+    """Refuse a `--dask` scheduler that would carry the run in the clear to another machine.
+
+    Accepted: `local:N` (N >= 1), a `tls://` or `wss://` address, and a `tcp://`,
+    `ws://` or `ucx://` address (or one without a scheme) on this machine's loopback. A
+    plain one on another machine only with `insecure`, and then with a warning on stderr:
+    whoever reaches an unauthenticated scheduler runs code on its workers, which hold the
+    run key and the root's credentials.
+
+    Args:
+        address: The `--dask` value.
+        insecure: `--dask-insecure`.
+
+    Raises:
+        ConfigError: Naming the address and what to pass instead.
+    """
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    shown = repr(address[:200])
+    if address.startswith("local:"):
+        count = address.removeprefix("local:")
+        if not (count.isdigit() and int(count) >= 1):
+            raise ConfigError(f"--dask {shown}: local:N needs a number of workers N >= 1")
+        return
+    scheme, sep, _ = address.partition("://")
+    scheme = scheme.lower() if sep else "tcp"
+    if scheme in SECURE_DASK_SCHEMES:
+        return
+    if scheme not in PLAIN_DASK_SCHEMES:
+        raise ConfigError(
+            f"--dask {shown}: not a Dask scheduler address; pass tls://host:port (or "
+            "tcp://127.0.0.1:port for one on this machine), or local:N"
+        )
+    try:
+        host = urlsplit(address if sep else f"tcp://{address}").hostname or ""
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name, or a malformed port
+        loopback = False
+    if loopback:
+        return
+    if not insecure:
+        raise ConfigError(
+            f"--dask {shown}: a {scheme}:// scheduler on another machine neither encrypts "
+            "nor authenticates, so whoever reaches it runs code on its workers (which "
+            "hold the run key); use tls:// with the distributed security config "
+            "(docs/security.md), or pass --dask-insecure on a network only you reach"
+        )
+    print(
+        f"recforge: warning: --dask-insecure: sending the run to {shown} over plain "
+        f"{scheme}:// (no encryption, no authentication)",
+        file=sys.stderr,
+    )
 
 
 def task_runner(workers: int | None, dask: str | None):

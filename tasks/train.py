@@ -38,15 +38,11 @@ from tasks.common import (
 )
 from tasks.incremental import Parent, train_section
 from tasks.progress import train_progress
-from tasks.train_nodes import (
-    PerNodeRun,
-    failed_attempts_before,
-    log_launcher_line,
-    surviving_layout,
-)
+from tasks.train_nodes import PerNodeRun, failed_attempts_before, log_launcher_line
 from training.config import TrainConfig, resume_layout
 from training.runtime.files import SUMMARY_FILE
 from training.runtime.launcher import free_port
+from training.runtime.nodes import surviving_layout
 from training.stages import ssh_launch, train_launch
 
 
@@ -135,6 +131,7 @@ def train_task(
                     # Outlives this attempt's staging directory, so that a retry resumes.
                     checkpoint_root=resume_root,
                     node=ssh_launch(launched) if launched.launcher == "ssh" else None,
+                    artifact_root=store.url,
                 )
                 if mirror is None:
                     result = run()

@@ -193,7 +193,7 @@ def test_a_node_worker_whose_prefect_api_does_not_answer_fails_at_start(capsys, 
     monkeypatch.setenv("PREFECT_API_URL", url)
     started = time.monotonic()
     with temporary_settings(updates={PREFECT_API_URL: url}):
-        code = main(["node-worker", "--node-rank", "1"])
+        code = main(["node-worker", "--node-rank", "1", "--root", "s3://bucket/x"])
     assert code == 2 and time.monotonic() - started < 30
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"the Prefect API at {url} did not answer" in err[0], err

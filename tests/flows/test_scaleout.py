@@ -147,13 +147,14 @@ def test_two_nodes_killed_one_resume_both_from_s3_and_train_the_one_node_model(
     assert not list(cache.rglob("nodes/train/*/node-*"))
 
 
-def start_node_worker(index: int, home: Path, env: dict[str, str]) -> subprocess.Popen:
-    """`recforge node-worker --node-rank index` in `home` (its current directory, cache and
-    Prefect result storage: a node run takes no parameters and nobody reads its result,
-    so the workers need no storage shared with the flow)."""
+def start_node_worker(index: int, home: Path, env: dict[str, str], root: str) -> subprocess.Popen:
+    """`recforge node-worker --node-rank index --root root` in `home` (its current
+    directory, cache and Prefect result storage: a node run takes no parameters and
+    nobody reads its result, so the workers need no storage shared with the flow)."""
     home.mkdir(parents=True)
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "node-worker", "--node-rank", str(index)],
+        [sys.executable, "-m", "flows.cli", "node-worker", "--node-rank", str(index)]
+        + ["--root", root],
         cwd=home,
         env={
             **os.environ,
@@ -182,7 +183,7 @@ def test_node_runs_go_to_each_nodes_task_worker_a_lost_node_is_found_and_the_res
     api = {"PREFECT_API_URL": str(PREFECT_API_URL.value())}
     env = {**s3_environment(moto_endpoint, tmp_path / "flow-machine"), **api}
     homes = [tmp_path / "node-0", tmp_path / "node-1"]
-    workers = [start_node_worker(index, homes[index], {**env}) for index in range(2)]
+    workers = [start_node_worker(index, homes[index], {**env}, s3_root) for index in range(2)]
     timeout_s = 10
     try:
         run = recforge_run(

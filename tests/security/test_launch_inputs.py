@@ -137,6 +137,7 @@ _RANK_ZERO = textwrap.dedent(
 def test_the_rendezvous_store_listens_on_master_addr_only(tmp_path: Path) -> None:
     port = free_port()
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    (tmp_path / "spec.json").write_text("{}")  # rank_main reads the spec (its root) first
     result = subprocess.run(
         [sys.executable, "-c", _RANK_ZERO],
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **env, "MASTER_PORT": str(port)},

@@ -140,7 +140,7 @@ def test_an_index_replayed_from_another_attempt_is_refused(attempt, tmp_path):
     old_index = fs.cat_file(fsspec.core.url_to_fs(f"{earlier}/{NAME}/node-00001.json")[1])
     put(attempt, "node-00001/rank-1.pt", b"last week's part")
     put(attempt, "node-00001.json", old_index)
-    with pytest.raises(DataError, match="replayed or misplaced"):
+    with pytest.raises(SignatureError, match="relocated copy"):
         node_zero_shares(attempt, tmp_path)
     assert not (tmp_path / "node0" / NAME / "rank-1.pt").exists()
 
@@ -153,7 +153,7 @@ def test_a_name_that_climbs_out_of_the_checkpoint_is_refused(attempt, tmp_path, 
     index = json.loads(fs.cat_file(f"{base}/node-00001.json"))
     index["files"]["../../escaped.txt"] = index["files"].pop("rank-1.pt")
     fs.pipe_file(f"{base}/node-00001/../../escaped.txt", b"node 1's part")
-    put(attempt, "node-00001.json", json.dumps(sign(index)).encode())
+    put(attempt, "node-00001.json", json.dumps(sign(index, place=index["place"])).encode())
     with pytest.raises(UnsafeName, match="'..'"):
         node_zero_shares(attempt, tmp_path)
     assert not (tmp_path / "escaped.txt").exists()

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from artifacts.errors import ConfigError
-from artifacts.signing import sign
-from tasks.train_nodes import (
+from artifacts.signing import digest, keyring, place, sign
+from training.config import TrainConfig
+from training.runtime.nodes import (
+    Liveness,
     NodeLost,
     NodeRunSpec,
-    _Liveness,
     attempts_file,
     beat_interval_s,
     heartbeat_location,
@@ -26,7 +27,6 @@ from tasks.train_nodes import (
     surviving_layout,
     write_heartbeat,
 )
-from training.config import TrainConfig
 
 TIMEOUT_S = 30.0
 
@@ -40,7 +40,7 @@ def exchange(tmp_path: Path) -> str:
 
 
 def test_a_node_that_beats_is_alive_and_one_that_stops_is_lost_after_the_timeout(exchange):
-    liveness = _Liveness(exchange, TIMEOUT_S)
+    liveness = Liveness(exchange, TIMEOUT_S)
     liveness.started(1, now=0.0)
     assert liveness.lost(1, now=TIMEOUT_S - 1) is None  # silent, but not for long enough
     write_heartbeat(exchange, 1, 0)
@@ -54,14 +54,14 @@ def test_a_node_that_beats_is_alive_and_one_that_stops_is_lost_after_the_timeout
 
 
 def test_a_node_that_never_beats_is_lost_a_timeout_after_it_started(exchange):
-    liveness = _Liveness(exchange, TIMEOUT_S)
+    liveness = Liveness(exchange, TIMEOUT_S)
     liveness.started(0, now=100.0)
     assert liveness.lost(0, now=100.0 + TIMEOUT_S - 0.5) is None
     assert "it never beat" in str(liveness.lost(0, now=100.0 + TIMEOUT_S))
 
 
 def test_a_replayed_heartbeat_does_not_keep_a_dead_node_alive(exchange):
-    liveness = _Liveness(exchange, TIMEOUT_S)
+    liveness = Liveness(exchange, TIMEOUT_S)
     liveness.started(1, now=0.0)
     write_heartbeat(exchange, 1, 7)
     assert liveness.lost(1, now=1.0) is None
@@ -75,22 +75,31 @@ def test_a_replayed_heartbeat_does_not_keep_a_dead_node_alive(exchange):
 
 def test_a_forged_or_misplaced_heartbeat_counts_as_none(exchange, tmp_path, caplog):
     where = Path(heartbeat_location(exchange, 1))
+    bound = place("heartbeat", attempt=exchange, node=1)
     # Without the key: a plausible record, badly signed.
-    where.write_text(json.dumps({"exchange": exchange, "node": 1, "seq": 99, "signature": "x"}))
+    where.write_text(json.dumps({"seq": 99, "place": bound, "signature": "x"}))
     assert read_heartbeat(exchange, 1) is None
     # Signed with the key but node 0's, copied over node 1's: refused too.
-    where.write_text(json.dumps(sign({"exchange": exchange, "node": 0, "seq": 99})))
+    node_zero = place("heartbeat", attempt=exchange, node=0)
+    where.write_text(json.dumps(sign({"seq": 99}, place=node_zero)))
     assert read_heartbeat(exchange, 1) is None
     # Another attempt's heartbeat of node 1.
-    where.write_text(json.dumps(sign({"exchange": exchange + "0", "node": 1, "seq": 99})))
+    other = place("heartbeat", attempt=exchange + "0", node=1)
+    where.write_text(json.dumps(sign({"seq": 99}, place=other)))
+    assert read_heartbeat(exchange, 1) is None
+    # Signed, but bound to no place (written before records were bound).
+    unbound = {"exchange": exchange, "node": 1, "seq": 99}
+    keys = keyring()
+    signature = {"key_id": keys.key_id, "hmac": digest(keys.current, unbound)}
+    where.write_text(json.dumps({**unbound, "signature": signature}))
     assert read_heartbeat(exchange, 1) is None
     write_heartbeat(exchange, 1, 3)
     assert read_heartbeat(exchange, 1) == 3
     # So the forged ones cannot keep a node alive either.
-    liveness = _Liveness(exchange, TIMEOUT_S)
+    liveness = Liveness(exchange, TIMEOUT_S)
     liveness.started(2, now=0.0)
     Path(heartbeat_location(exchange, 2)).write_text(
-        json.dumps({"exchange": exchange, "node": 2, "seq": 5, "signature": "x"})
+        json.dumps({"seq": 5, "place": place("heartbeat", attempt=exchange, node=2)})
     )
     assert isinstance(liveness.lost(2, now=TIMEOUT_S), NodeLost)
 
@@ -103,12 +112,15 @@ def test_the_beat_is_several_times_per_timeout_and_at_most_every_20_s():
 
 def test_failed_attempts_are_kept_for_the_attempt_that_succeeds(tmp_path):
     work = tmp_path / "nodes" / "train" / "k"
-    assert read_failed_attempts(work) == []
-    record_failed_attempt(work, NodeLost("node 1: lost"), {1: "node 1: lost, no heartbeat"})
-    record_failed_attempt(work, RuntimeError("store hiccup"), {})
-    with attempts_file(work).open("a") as handle:
+    run = "flow-run-1"
+    assert read_failed_attempts(work, run) == []
+    lost = {1: "node 1: lost, no heartbeat"}
+    record_failed_attempt(work, run, NodeLost("node 1: lost"), lost)
+    record_failed_attempt(work, run, RuntimeError("store hiccup"), {})
+    with attempts_file(work, run).open("a") as handle:
         handle.write('{"cut short')  # a crash while appending
-    first, second = read_failed_attempts(work)
+    assert read_failed_attempts(work, "another-flow-run") == []  # a new run: every node
+    first, second = read_failed_attempts(work, run)
     assert first["error"] == "NodeLost" and first["lost_nodes"] == [
         {"node": 1, "why": "node 1: lost, no heartbeat"}
     ]
@@ -130,7 +142,7 @@ def test_with_min_nodes_a_retry_goes_on_with_the_workers_that_are_left():
     assert workers == [0, 2] and "without lost node(s) [1]" in line
     # Node 1 of this attempt is worker 2; worker 1 has no node in it.
     spec = NodeRunSpec(
-        config=smaller, shard=None, preprocess=None, root="r", fp="k", exchange="e",
+        config=smaller, inputs={}, root="r", fp="k", exchange="e",
         hosts=[], port=1, workers=workers,
     )  # fmt: skip
     assert [spec.worker_of(node) for node in range(2)] == [0, 2]

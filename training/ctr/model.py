@@ -362,9 +362,7 @@ def load_model(train_dir: Path) -> tuple[CTRModel, dict[str, Any]]:
     return model.float().eval(), model_config
 
 
-def extension_resets(
-    old_sizes: list[int], transform: dict, meta: DatasetMeta
-) -> list[list[int]]:
+def extension_resets(old_sizes: list[int], transform: dict, meta: DatasetMeta) -> list[list[int]]:
     """Per table (the shards' order), the rows an extended transform reset, after checking
     that it extends tables of `old_sizes` into the shards' (`data_prep.idmap`).
 
@@ -381,8 +379,7 @@ def extension_resets(
     recorded = transform.get("parent_sizes")
     if recorded is None or len(old_sizes) != len(names):
         raise ValueError(
-            "the transform extends no model with these tables (its features or vocabularies "
-            "differ)"
+            "the transform extends no model with these tables (its features or vocabularies differ)"
         )
     for name, old, new in zip(names, old_sizes, meta.table_sizes, strict=True):
         if recorded.get(name, old) != old or new < old:
@@ -394,9 +391,7 @@ def extension_resets(
     return [list(changes.get(name, {}).get("reset_rows", [])) for name in names]
 
 
-def lay_onto_transform(
-    package: Path, transform: dict, meta: DatasetMeta, out_dir: Path
-) -> Path:
+def lay_onto_transform(package: Path, transform: dict, meta: DatasetMeta, out_dir: Path) -> Path:
     """A parent model laid onto the rows of a transform that extends its own.
 
     An incremental day's transform (`data_prep.idmap.extend_transform`) keeps every known

@@ -174,6 +174,7 @@ def train_model(
     node: NodeLaunch | None = None,
     stop: threading.Event | None = None,
     warm_start: Callable[[DatasetMeta, dict[str, Any]], dict[str, Any]] | None = None,
+    artifact_root: str | None = None,
 ) -> TrainResult | None:
     """Train a CTR model with `config.world_size` DeepSpeed ranks on this machine.
 
@@ -201,6 +202,8 @@ def train_model(
         node: Where the ranks run on more than one node (`training.runtime.launcher.
             NodeLaunch`); None: every rank on this machine.
         stop: Set by the caller to stop the ranks (another node of the run failed).
+        artifact_root: The run's artifact root (a path or URL): a rank whose root is
+            shared storage refuses to start without the run key.
         warm_start: train.init: builds the ranks' warm start from this run's dataset
             description and model config (`warm_start_spec` with the parent bound).
 
@@ -233,6 +236,7 @@ def train_model(
         checkpoint_root,
         node,
         stop,
+        artifact_root,
     )
 
 

@@ -19,8 +19,9 @@ object store and back, never held whole in a rank's memory.
 Nodes prove who they are (docs/security.md): after uploading its files, each node's
 first rank writes a signed index beside them, ``node-XXXXX.json`` = {"attempt": the
 scratch prefix (unique to the attempt), "name", "node", "files": {rel: {"size",
-"sha256"}}}. A reader reads only the indexes of nodes ``0 .. nodes-1``, and only once
-their signature, attempt, name and node check out; it joins each name under the
+"sha256"}}}, bound to its place (``place("exchange-index", attempt=<prefix>,
+node=<node>)``). A reader reads only the indexes of nodes ``0 .. nodes-1``, each up to
+`INDEX_BYTES`, and only once their signature, place and name check out; it joins each name under the
 directory with `safe_join`, downloads to a ``.part`` file and moves it into place only
 once its size and sha256 match the index. Anything else under the prefix (a
 ``node-99999`` of someone with write access to the bucket, a file no index names) is
@@ -39,12 +40,15 @@ from typing import Any
 import torch.distributed as dist
 
 from artifacts.durable import file_sha256
-from artifacts.errors import DataError
-from artifacts.locations import safe_join
-from artifacts.signing import loads_verified, sign
+from artifacts.errors import DataError, SignatureError
+from artifacts.locations import MAX_RECORD_BYTES, safe_join
+from artifacts.signing import loads_verified, place, sign
 
 _logger = logging.getLogger(__name__)
 _ignored: set[str] = set()  # what was logged as ignored, once each
+
+# The most an index is read of: one entry per checkpoint file of a node.
+INDEX_BYTES = MAX_RECORD_BYTES
 
 
 class NodeExchange:
@@ -142,27 +146,36 @@ def _upload_own(fs, base: str, node: int, directory: Path, attempt: dict[str, st
         fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)  # local roots need it
         fs.put_file(str(path), target)
         files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
-    index = sign({**attempt, "node": node, "files": files})
+    where = place("exchange-index", attempt=attempt["attempt"], node=node)
+    index = sign({**attempt, "node": node, "files": files}, place=where)
     with fs.open(f"{base}/{_node_dir(node)}.json", "w") as handle:
         handle.write(json.dumps(index, sort_keys=True))
 
 
 def _read_index(fs, base: str, node: int, expected: dict[str, str]) -> dict[str, Any]:  # noqa: ANN001
-    """Node `node`'s index once its signature, attempt, name and node check out.
+    """Node `node`'s index once its signature, place and name check out.
 
     Raises:
-        DataError: It is missing, forged, or from another attempt, directory or node.
+        DataError: It is missing, or from another directory of the attempt.
+        SignatureError: It is too large, does not parse, is forged, or is bound to
+            another attempt or node (`MisplacedRecord`).
     """
     where = f"{base}/{_node_dir(node)}.json"
     try:
-        with fs.open(where, "r") as handle:
-            text = handle.read()
+        # Ranged: the first INDEX_BYTES + 1 bytes, never the whole of a planted object.
+        data = fs.cat_file(where, start=0, end=INDEX_BYTES + 1)
     except FileNotFoundError as err:
         raise DataError(
             f"{where} is missing: node {node} of this attempt uploaded no index (it failed, "
             "or the exchange prefix was changed); the attempt fails and a retry resumes"
         ) from err
-    index = loads_verified(text, where)
+    if len(data) > INDEX_BYTES:
+        raise SignatureError(
+            f"{where} is larger than {INDEX_BYTES} bytes, the cap for an exchange index: "
+            "recforge never wrote it; refusing it"
+        )
+    bound = place("exchange-index", attempt=expected["attempt"], node=node)
+    index = loads_verified(data, where, place=bound)
     claimed = {key: index.get(key) for key in (*expected, "node")}
     if claimed != {**expected, "node": node} or not isinstance(index.get("files"), dict):
         raise DataError(
@@ -180,8 +193,7 @@ def _ignore_strangers(fs, base: str, nodes: int) -> None:  # noqa: ANN001
         if leaf not in known and f"{base}/{leaf}" not in _ignored:
             _ignored.add(f"{base}/{leaf}")
             _logger.warning(
-                "ignoring %s/%s: not a node of this attempt (nodes 0..%d); someone else "
-                "wrote it",
+                "ignoring %s/%s: not a node of this attempt (nodes 0..%d); someone else wrote it",
                 base,
                 leaf[:80],
                 nodes - 1,

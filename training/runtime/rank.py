@@ -28,9 +28,11 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from artifacts.checkpoints import FAULT_POINTS, MANIFEST, CheckpointCorrupt, CheckpointStore
+from artifacts.checkpoints import FAULT_POINTS, CheckpointCorrupt, CheckpointStore
 from artifacts.durable import fsync_tree
 from artifacts.errors import ConfigError
+from artifacts.locations import is_remote
+from artifacts.signing import require_key
 from training.runtime.exchange import NodeExchange
 from training.runtime.launcher import (
     CHAOS_CHECKPOINT_FAULT,
@@ -325,7 +327,9 @@ def find_resume_point(
     path = store.checkpoint_dir(int(chosen[0]))
     if exchange.active:
         _check_every_node_has(store, path, exchange.leads(rank))
-    meta = json.loads((path / MANIFEST).read_text())["meta"]
+    # Rank 0 verified every file; each rank reads the meta through the signed, bound
+    # manifest, never a file another writer may have swapped since.
+    meta = store.manifest(path)["meta"]
     if meta.get("fingerprint") != fingerprint:
         raise ConfigError(
             f"{path} was written by another train config (or data); resuming it would mix "
@@ -612,10 +616,33 @@ def _listen_on(host: str, port: int) -> socket.socket:
     )
 
 
+def require_rank_key(spec: Mapping[str, Any]) -> None:
+    """Refuse to run a rank whose artifact root is shared storage without the run key.
+
+    Without a key `artifacts.signing` accepts unsigned records (a local root's
+    development mode), so such a rank would trust every checkpoint and parent output it
+    reads back from the bucket. A spec that names no root (or a local one) runs as before.
+
+    Args:
+        spec: The launch spec; its ``artifact_root`` (when the train task set it) is the
+            run's root, a path or a URL.
+
+    Raises:
+        ConfigError: The root is remote and no key is configured; the message says how
+            to set one.
+    """
+    root = spec.get("artifact_root")
+    if root is None:
+        return
+    require_key(str(root), is_remote(str(root)))
+
+
 def rank_main(module: str, run_rank: Callable[[Path], None], argv: list[str] | None) -> int:
     """Shared entry point of the rank modules: `python -m MODULE SPEC.json`.
 
-    Rank 0 first starts the rendezvous store on MASTER_ADDR only (`bind_rendezvous`).
+    A rank of a run on a remote root refuses to start without the run key
+    (`require_rank_key`). Rank 0 then starts the rendezvous store on MASTER_ADDR only
+    (`bind_rendezvous`).
     Other launcher arguments (`--local_rank=...`) are ignored. Any exception prints one
     `RECFORGE_ERROR {"rank": r, "error": "..."}` line, so the parent can name the root
     cause among the other ranks' follow-on errors (a peer's closed connection), and is
@@ -634,6 +661,8 @@ def rank_main(module: str, run_rank: Callable[[Path], None], argv: list[str] | N
     if len(spec_args) != 1:
         raise SystemExit(f"usage: python -m {module} SPEC.json (got {args})")
     try:
+        spec = json.loads(Path(spec_args[0]).read_text())
+        require_rank_key(spec if isinstance(spec, dict) else {})
         bind_rendezvous(os.environ)
         run_rank(Path(spec_args[0]))
     except Exception as error:

@@ -110,6 +110,7 @@ def run_train_stage(
     checkpoint_root: Path | None,
     node: NodeLaunch | None = None,
     stop: threading.Event | None = None,
+    artifact_root: str | None = None,
 ) -> TrainResult | None:
     """Plan a run, write its files, launch `config.world_size` ranks of `module`, collect them.
 
@@ -132,6 +133,9 @@ def run_train_stage(
         checkpoint_root: Passed to `plan_run`.
         node: Where the ranks run when they span nodes; None: all on this machine.
         stop: Set by the caller to stop the ranks early (another node failed).
+        artifact_root: The run's artifact root, written into the launch spec: a rank
+            whose root is shared storage refuses to start without the run key
+            (`training.runtime.rank.require_rank_key`).
 
     Returns:
         The run's result, from rank 0's `train_summary.json` ("final_loss", "steps",
@@ -156,6 +160,8 @@ def run_train_stage(
     spec = dict(plan.spec)
     if node is not None and node.exchange is not None:
         spec["node_exchange"] = {"url": node.exchange, "ranks_per_node": node.ranks_per_node}
+    if artifact_root is not None:
+        spec["artifact_root"] = artifact_root
     write_json(spec_path, spec)
     command = launcher_command(python, config.world_size, master_port, module, spec_path, node)
     collects = node is None or node.node_rank in (None, 0)

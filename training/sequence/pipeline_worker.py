@@ -85,7 +85,7 @@ from deepspeed.runtime.utils import set_random_seed
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
-from artifacts.checkpoints import MANIFEST, CheckpointStore
+from artifacts.checkpoints import CheckpointStore
 from artifacts.errors import ConfigError
 from training.config import TrainConfig
 from training.errors import Preempted
@@ -179,6 +179,10 @@ class PipelineSpec(BaseModel):
     )
     chaos: dict[str, Any] = Field(
         default={}, description="Fault injection of the chaos tests (training.runtime.launcher)."
+    )
+    artifact_root: str | None = Field(
+        default=None,
+        description="The run's artifact root; on shared storage a rank needs the run key.",
     )
     node_exchange: dict[str, Any] | None = Field(
         default=None,
@@ -526,8 +530,8 @@ def _resumed_curve(resume: _Resume) -> list[dict[str, float]]:
     """
     if resume.store is None or not resume.start:
         return []
-    manifest = resume.store.checkpoint_dir(resume.start) / MANIFEST
-    meta = json.loads(manifest.read_text())["meta"]
+    # Signed for this run and step (rank 0 verified every file before the resume).
+    meta = resume.store.manifest(resume.store.checkpoint_dir(resume.start))["meta"]
     if "curve" in meta:
         return [point for point in meta["curve"] if point["step"] <= resume.start]
     return read_curve(resume.store.root, resume.start)

@@ -285,6 +285,7 @@ def train_sequence_model(
     checkpoint_root: Path | None = None,
     node: NodeLaunch | None = None,
     stop: threading.Event | None = None,
+    artifact_root: str | None = None,
 ) -> TrainResult | None:
     """Train a sequence model with `config.world_size` DeepSpeed pipeline ranks.
 
@@ -308,6 +309,8 @@ def train_sequence_model(
         node: Where the ranks run on more than one node (`training.runtime.launcher.
             NodeLaunch`); None: every rank on this machine.
         stop: Set by the caller to stop the ranks (another node of the run failed).
+        artifact_root: The run's artifact root (a path or URL): a rank whose root is
+            shared storage refuses to start without the run key.
 
     Returns:
         None for a node other than node 0 (node 0's ranks write the outputs); else
@@ -337,6 +340,7 @@ def train_sequence_model(
         checkpoint_root,
         node,
         stop,
+        artifact_root,
     )
 
 
@@ -462,6 +466,7 @@ _SPEC_NOT_FINGERPRINTED = (
     "checkpoint_root",
     "config_fingerprint",
     "chaos",
+    "artifact_root",
     "intra_op_threads",  # torch threads per rank, which follow the world size
 )
 # How a step is laid out over the ranks: a resume may change it as long as the global

@@ -130,6 +130,33 @@ def test_launcher_output_is_streamed_and_a_failure_raises(shards_dir: Path, tmp_
     assert launch["total_steps"] == 16 and launch["ds_config"]["optimizer"]["params"]["torch_adam"]
 
 
+def test_the_launch_spec_names_the_root_so_a_rank_on_shared_storage_needs_the_key(
+    shards_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 38: without the key a rank would verify nothing it reads from the bucket."""
+    from artifacts.errors import ConfigError
+    from artifacts.signing import KEY_BLOCK_ENV, KEY_ENV, KEY_FILE_ENV
+    from training.runtime.rank import require_rank_key
+
+    with pytest.raises(TrainingCrashed):
+        train_model(
+            TrainConfig(**TINY),
+            shards_dir,
+            tmp_path / "out",
+            "cpu",
+            1,
+            env={},
+            python=fake_python(tmp_path, "exit 3\n"),
+            artifact_root="s3://bucket/recforge",
+        )
+    launch = json.loads((tmp_path / "out" / "launch.json").read_text())
+    assert launch["artifact_root"] == "s3://bucket/recforge"
+    for name in (KEY_ENV, KEY_FILE_ENV, KEY_BLOCK_ENV):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=KEY_ENV):
+        require_rank_key(launch)
+
+
 def test_exit_zero_without_weights_is_a_crash(shards_dir: Path, tmp_path: Path) -> None:
     python = fake_python(tmp_path, "exit 0\n")
     with pytest.raises(TrainingCrashed, match="missing"):

@@ -30,6 +30,7 @@ import tasks.incremental
 import tasks.train
 import tasks.train_nodes
 import training.ctr.worker
+import training.runtime.nodes
 import training.sequence.pipeline_worker
 import training.stages
 from artifacts.errors import ConfigError, InputNotFoundError
@@ -236,7 +237,7 @@ def test_a_field_reaches_the_ranks_or_is_refused(
         read = {"ranks_per_node": "node_ranks()", "node_pickup_timeout_s": "pickup_timeout_s()"}
         sources = "".join(
             inspect.getsource(module)
-            for module in (tasks.train, training.stages, tasks.train_nodes)
+            for module in (tasks.train, training.stages, tasks.train_nodes, training.runtime.nodes)
         )
         assert f"config.{read.get(field, field)}" in sources, f"train.{field} is read by nobody"
         return
