@@ -36,6 +36,17 @@ Frequency admission (`admission_min_count` K >= 2): owners count every occurrenc
 their rows; an id seen fewer than K times (this batch included) is reported as not
 admitted, the caller substitutes its feature's shared default row (a dense
 parameter), and its row gets no update.
+
+Table precision (`table_precision`: fp32, fp16 or bf16): the rows may be stored in 2
+bytes; the optimizer state stays fp32. The owner upcasts the rows it serves, so the
+exchange, the model and the gradients are fp32. Each update is computed in fp32 and
+rounded back to the table's precision stochastically (`stochastic_round`: up with the
+probability of the discarded fraction, so updates far below one unit in the last place
+still move a row on average, where rounding to nearest would drop them). Its random bits
+are a function of (seed, step, global row, column) only (`rounding_bits`): a run is
+reproducible, a resume is bitwise, and the world size does not change the result.
+One-off conversions (init, a warm start from a parent of another precision) round to
+nearest; a 2-byte value is exact in fp32, so upcasting never rounds.
 """
 
 from __future__ import annotations
@@ -54,6 +65,23 @@ ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 
 SparseOptimizer = Literal["rowwise_adagrad", "lazy_adam"]
+TablePrecision = Literal["fp32", "fp16", "bf16"]
+TABLE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+_PRECISION_NAMES = {dtype: name for name, dtype in TABLE_DTYPES.items()}
+
+# SplitMix64 (Steele et al., 2014) constants: the golden-ratio increment and the two
+# multipliers of its finaliser. Counter-based: any (key, counter) maps to 64 bits
+# without a generator's state, which is what makes the rounding bits a pure function
+# of (seed, step, row, column).
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+# Keeps the rounding bits apart from other uses of the same seed.
+_ROUNDING_DOMAIN = 0x5352
 
 
 def table_offsets(table_sizes: list[int]) -> torch.Tensor:
@@ -68,6 +96,7 @@ def init_rows(
     seed: int,
     rank: int = 0,
     world_size: int = 1,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Initial values of the rows one rank owns, the same for any world size.
 
@@ -84,15 +113,18 @@ def init_rows(
         seed: Seed of the table (any int).
         rank: The owning rank.
         world_size: W; the rank owns rows rank, rank + W, ...
+        dtype: float32, or a 2-byte table's float16 / bfloat16: each chunk is computed
+            in fp32 and rounded to nearest, bitwise `init_rows(...).to(dtype)` without
+            ever holding the fp32 table.
 
     Returns:
-        (ceil((N - rank) / W), D) float32: the rank's rows in local order.
+        (ceil((N - rank) / W), D) `dtype`: the rank's rows in local order.
     """
     offsets = table_offsets(table_sizes)
     num_rows = int(offsets[-1])
     feature_bound = np.array([1.0 / n**0.5 for n in table_sizes], dtype=np.float32)
-    local = torch.empty((_local_rows(num_rows, rank, world_size), embedding_dim))
-    out = local.numpy()
+    local = torch.empty((_local_rows(num_rows, rank, world_size), embedding_dim), dtype=dtype)
+    out = local.numpy() if dtype == torch.float32 else None
     ends = offsets[1:].numpy()
     entropy = seed % 2**64  # SeedSequence takes non-negative ints
     for chunk, start in enumerate(range(0, num_rows, INIT_CHUNK_ROWS)):
@@ -103,11 +135,83 @@ def init_rows(
         generator = np.random.Generator(np.random.SFC64(np.random.SeedSequence([entropy, chunk])))
         drawn = generator.random((end - start, embedding_dim), dtype=np.float32)
         owned = np.arange(first, end, world_size)  # global rows
-        target = out[(first - rank) // world_size : (end - 1 - rank) // world_size + 1]
+        span = slice((first - rank) // world_size, (end - 1 - rank) // world_size + 1)
+        target = out[span] if out is not None else np.empty((len(owned), embedding_dim), np.float32)
         np.multiply(drawn[first - start :: world_size], 2, out=target)
         target -= 1
         target *= feature_bound[np.searchsorted(ends, owned, side="right")][:, None]
+        if out is None:
+            local[span] = torch.from_numpy(target)  # rounded to nearest
     return local
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on a uint64 array (wraps modulo 2**64, as intended)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def rounding_bits(seed: int, step: int, rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """The random bits that round the update of global rows `rows` at optimizer `step`.
+
+    A pure function of (seed, step, global row, column): a row's bits depend on neither
+    the other rows of the call, nor the rank that owns it, nor the world size. One
+    SplitMix64 hash per (row, 4 columns) gives four 16-bit draws; numpy's uint64 arrays
+    wrap on overflow (torch's int64 would be undefined), and the little-endian view
+    gives the same bits on any host.
+
+    Args:
+        seed: The run's seed.
+        step: The optimizer step (`ShardedEmbedding.steps`, global and restored on resume).
+        rows: (R,) int64 global rows.
+        dim: D, the columns.
+
+    Returns:
+        (R, D) int32 in [0, 2**16).
+    """
+    key = np.array([seed % 2**64, _ROUNDING_DOMAIN, step % 2**64], dtype=np.uint64)
+    stream = _mix64(_mix64(key[:1] ^ key[1:2]) + key[2:] * _GAMMA)  # (1,)
+    row_key = _mix64(rows.numpy().astype(np.uint64) * _GAMMA + stream)  # (R,)
+    words = -(-dim // 4)
+    counters = np.arange(1, words + 1, dtype=np.uint64) * _GAMMA
+    z = _mix64(row_key[:, None] + counters)  # (R, words)
+    u16 = z.astype("<u8", copy=False).view("<u2").reshape(len(rows), 4 * words)[:, :dim]
+    return torch.from_numpy(u16.astype(np.int32))
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to `dtype` up or down, up with the probability of the discarded fraction.
+
+    Unbiased: E[result] = x (given uniform bits), for both signs. Values exact in
+    `dtype` are returned unchanged.
+
+    bf16 is fp32's top 16 bits: adding 16 random bits to the fp32 pattern and clearing
+    the low 16 rounds the magnitude up with probability (low 16 bits) / 2**16; a carry
+    into the exponent gives the right next value. fp16 cannot use that trick: below
+    2**-14 its spacing is a fixed 2**-24, so cutting mantissa bits and casting would
+    round twice and bias small values. It rounds on the value line instead, with
+    fp16's spacing in x's binade (exact in fp32: the spacing is a power of two).
+
+    Args:
+        x: (R, D) float32.
+        dtype: torch.bfloat16 or torch.float16.
+        bits: (R, D) int32 in [0, 2**16), e.g. `rounding_bits`.
+
+    Returns:
+        (R, D) `dtype`.
+    """
+    if dtype == torch.bfloat16:
+        rounded = torch.bitwise_and(x.view(torch.int32) + bits, -65536)
+        return rounded.view(torch.float32).to(torch.bfloat16)  # exact: the low bits are 0
+    if dtype != torch.float16:
+        raise ValueError(f"stochastic_round rounds to float16 or bfloat16, not {dtype}")
+    _, exponent = torch.frexp(x)  # |x| in [2**(e-1), 2**e)
+    # fp16's spacing there: 10 mantissa bits, 2**-24 among the subnormals.
+    ulp = torch.ldexp(torch.ones_like(x), exponent.clamp(min=-13) - 11)
+    down = torch.floor(x / ulp) * ulp
+    up = (x - down) / ulp * 65536 > bits  # P(up) = the discarded fraction
+    return torch.where(up, down + ulp, down).to(torch.float16)  # exact; beyond 65504: inf
 
 
 def clip_row_norms(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -297,6 +401,7 @@ def warm_start_state(
     seed: int,
     rank: int,
     world_size: int,
+    table_precision: TablePrecision = "fp32",
 ) -> dict[str, torch.Tensor]:
     """One rank's shard state for a grown table, from a parent model's shards.
 
@@ -318,13 +423,16 @@ def warm_start_state(
         seed: This run's init seed.
         rank: This rank.
         world_size: This run's world size W.
+        table_precision: This run's; the parent's rows are converted to it (rounded to
+            nearest; fp16 and bf16 upcast to fp32 exactly).
 
     Returns:
         The state dict for `ShardedEmbedding.load_state_dict` (the parent's step count).
 
     Raises:
-        ValueError: The feature counts differ, a table shrank, or a reset row is out
-            of its table.
+        ValueError: The feature counts differ, a table shrank, a reset row is out of its
+            table, or a parent's row does not fit this precision (bf16 beyond fp16's
+            65504).
     """
     if len(old_sizes) != len(new_sizes) or len(reset_rows) != len(new_sizes):
         raise ValueError(
@@ -348,7 +456,9 @@ def warm_start_state(
     keep = (within < torch.tensor(old_sizes)[feature]) & ~torch.isin(rows, reset_global)
     parent_row = old_offsets[feature] + within  # meaningful where keep
 
-    fresh = init_rows(new_sizes, embedding_dim, seed, rank, world_size)
+    fresh = init_rows(
+        new_sizes, embedding_dim, seed, rank, world_size, TABLE_DTYPES[table_precision]
+    )
     result: dict[str, torch.Tensor] = {}
     for name, tensor in shards[0].items():
         if name == "steps":
@@ -362,7 +472,13 @@ def warm_start_state(
         source = parent_row[mine] // old_world
         for name, tensor in shard.items():
             if name != "steps":
-                result[name][mine] = tensor[source]
+                # Rounded to nearest where the precisions differ (upcasts are exact).
+                result[name][mine] = tensor[source].to(result[name].dtype)
+    if not bool(torch.isfinite(result["weight"]).all()):
+        raise ValueError(
+            f"a parent's row does not fit train.table_precision: {table_precision} (beyond "
+            "its range); warm-start at bf16 or fp32"
+        )
     return result
 
 
@@ -404,6 +520,9 @@ class ShardedEmbedding:
         weight_decay: L2 penalty added to the gradient of each row it updates.
         max_grad_norm: Largest L2 norm of a row's gradient (`clip_row_norms`), applied
             before the weight decay term; 0 disables.
+        table_precision: How the rows are stored: "fp32", or "fp16" / "bf16" with
+            stochastically rounded updates (see the module docstring); the optimizer
+            state is fp32 in every case.
     """
 
     def __init__(
@@ -419,9 +538,14 @@ class ShardedEmbedding:
         group: dist.ProcessGroup | None = None,
         weight_decay: float = 0.0,
         max_grad_norm: float = 0.0,
+        table_precision: TablePrecision = "fp32",
     ) -> None:
         if optimizer not in ("rowwise_adagrad", "lazy_adam"):
             raise ValueError(f"optimizer must be rowwise_adagrad or lazy_adam, got {optimizer!r}")
+        if table_precision not in TABLE_DTYPES:
+            raise ValueError(
+                f"table_precision must be one of {sorted(TABLE_DTYPES)}, got {table_precision!r}"
+            )
         self.table_sizes = list(table_sizes)
         self.offsets = table_offsets(self.table_sizes)
         self.num_rows = int(self.offsets[-1])
@@ -432,13 +556,17 @@ class ShardedEmbedding:
         self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
         self.rank, self.world_size, self.group = rank, world_size, group
-        self.weight = init_rows(self.table_sizes, embedding_dim, seed, rank, world_size)
+        self.seed = seed  # also keys the stochastic rounding of 2-byte rows
+        self.table_precision = table_precision
+        self.weight = init_rows(
+            self.table_sizes, embedding_dim, seed, rank, world_size, TABLE_DTYPES[table_precision]
+        )
         local = self.weight.shape[0]
         if optimizer == "rowwise_adagrad":
             self.state: dict[str, torch.Tensor] = {"sum_sq": torch.zeros(local)}
-        else:
-            self.state = {"exp_avg": torch.zeros_like(self.weight)}
-            self.state["exp_avg_sq"] = torch.zeros_like(self.weight)
+        else:  # fp32 whatever the rows' precision
+            self.state = {"exp_avg": torch.zeros(self.weight.shape)}
+            self.state["exp_avg_sq"] = torch.zeros(self.weight.shape)
         self.steps = 0  # optimizer steps taken (lazy Adam's bias correction)
         self.counts = torch.zeros(local, dtype=torch.int64) if self._admission else None
         self._pending_rows: list[torch.Tensor] = []
@@ -460,7 +588,7 @@ class ShardedEmbedding:
 
         Raises:
             ValueError: A tensor is missing or of another shape (another table, world
-                size or optimizer).
+                size or optimizer), or the rows are of another table precision.
         """
         expected = self.state_dict()
         missing = sorted(set(expected) - set(state))
@@ -469,6 +597,13 @@ class ShardedEmbedding:
                 f"embedding shard state does not fit this rank's shard (missing {missing}, "
                 "or shapes differ): it was saved with another table, world size or sparse "
                 "optimizer"
+            )
+        if state["weight"].dtype != self.weight.dtype:
+            saved = _PRECISION_NAMES.get(state["weight"].dtype, str(state["weight"].dtype))
+            raise ValueError(
+                f"embedding shard rows are {saved} but this run's train.table_precision is "
+                f"{self.table_precision}: a warm start (train.init) converts, a resume does "
+                f"not; resume with table_precision: {saved}"
             )
         with torch.no_grad():
             self.weight.copy_(state["weight"])
@@ -531,7 +666,7 @@ class ShardedEmbedding:
             recv_counts = received[:, 1] if id_counts is not None else None
             recv_local = recv_ids // self.world_size
 
-        reply = self.weight.index_select(0, recv_local)  # (R, D)
+        reply = self.weight.index_select(0, recv_local).float()  # (R, D), upcast (exact)
         if self.counts is not None:
             if recv_counts is not None:
                 self.counts.index_add_(0, recv_local, recv_counts)
@@ -613,7 +748,7 @@ class ShardedEmbedding:
         if self.max_grad_norm:
             summed = clip_row_norms(summed, self.max_grad_norm)
         if self.weight_decay:
-            summed += self.weight_decay * self.weight.index_select(0, rows)
+            summed += self.weight_decay * self.weight.index_select(0, rows).float()
         if self.optimizer == "rowwise_adagrad":
             self._rowwise_adagrad(rows, summed)
         else:
@@ -645,7 +780,16 @@ class ShardedEmbedding:
     def _subtract_rows(self, rows: torch.Tensor, update: torch.Tensor) -> None:
         # weight[rows] -= update for unique rows, as gather, subtract, scatter: CPU's 2-D
         # index_add_ costs ~2.5x more (a slice add per row).
-        self.weight.index_copy_(0, rows, self.weight.index_select(0, rows).sub_(update))
+        if self.weight.dtype == torch.float32:
+            self.weight.index_copy_(0, rows, self.weight.index_select(0, rows).sub_(update))
+            return
+        # 2-byte rows: the new value in fp32, rounded back stochastically with bits of
+        # the global rows (local row r of rank k is global row r * W + k).
+        new = self.weight.index_select(0, rows).float().sub_(update)  # (Ru, D)
+        bits = rounding_bits(
+            self.seed, self.steps, rows * self.world_size + self.rank, self.embedding_dim
+        )
+        self.weight.index_copy_(0, rows, stochastic_round(new, self.weight.dtype, bits))
 
     # -- collectives ----------------------------------------------------------------------
     def _exchange_counts(self, send_splits: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 from training.ctr.embedding import (
     ADAGRAD_EPS,
+    TABLE_DTYPES,
     ShardedEmbedding,
     group_by_owner,
     init_rows,
     reshard_state,
+    rounding_bits,
+    stochastic_round,
     sum_rows,
     table_offsets,
     unique_inverse,
@@ -64,11 +68,21 @@ def _train(store: ShardedEmbedding, batches: list[torch.Tensor], rank: int, worl
         store.step()
 
 
-def test_init_does_not_depend_on_world_size() -> None:
+HALF = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_init_does_not_depend_on_world_size(dtype: torch.dtype) -> None:
     full = init_rows(SIZES, DIM, seed=3)
+    # A 2-byte table starts from the fp32 values rounded to nearest, without the fp32 table.
+    assert torch.equal(init_rows(SIZES, DIM, seed=3, dtype=dtype), full.to(dtype))
     for world in (2, 3):
-        shards = [init_rows(SIZES, DIM, seed=3, rank=r, world_size=world) for r in range(world)]
-        torch.testing.assert_close(gather_full_table(shards, sum(SIZES)), full, rtol=0, atol=0)
+        shards = [
+            init_rows(SIZES, DIM, seed=3, rank=r, world_size=world, dtype=dtype)
+            for r in range(world)
+        ]
+        assert all(shard.dtype == dtype for shard in shards)
+        assert torch.equal(gather_full_table(shards, sum(SIZES)), full.to(dtype))
     bound = 1 / SIZES[1] ** 0.5
     assert full[7:20].abs().max() <= bound and full[7:20].abs().max() > 0.5 * bound
     assert not torch.equal(full, init_rows(SIZES, DIM, seed=4))
@@ -81,21 +95,32 @@ def test_init_is_chunked_independently_of_the_table_end() -> None:
     assert torch.equal(small, large[:70_000])
 
 
-def test_rowwise_adagrad_matches_the_formula_and_touches_only_batch_rows() -> None:
-    store = ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", lr=0.1, seed=0)
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_rowwise_adagrad_matches_the_formula_and_touches_only_batch_rows(precision: str) -> None:
+    store = ShardedEmbedding(
+        SIZES, DIM, "rowwise_adagrad", lr=0.1, seed=0, table_precision=precision
+    )
     before = store.weight.clone()
+    assert before.dtype == TABLE_DTYPES[precision]
+    assert store.state["sum_sq"].dtype == torch.float32
     ids = torch.tensor([3, 3, 10, 24])
     rows, inverse, context = store.lookup(ids)
     assert torch.equal(context.unique_ids, torch.tensor([3, 10, 24]))
-    torch.testing.assert_close(rows.detach(), before[[3, 10, 24]])
+    assert rows.dtype == torch.float32  # the lookup upcasts
+    assert torch.equal(rows.detach(), before[[3, 10, 24]].float())
     (rows[inverse] * torch.arange(4.0)[:, None]).sum().backward()
     grad = rows.grad.clone()  # rows 3: 0 + 1, 10: 2, 24: 3 (times ones)
     store.accumulate_gradients(rows.grad, context)
     assert store.step() == 3
     for row, g in zip([3, 10, 24], grad, strict=True):
         sum_sq = g.pow(2).mean()
-        expected = before[row] - 0.1 * g / (sum_sq.sqrt() + ADAGRAD_EPS)
-        torch.testing.assert_close(store.weight[row], expected)
+        expected = before[row].float() - 0.1 * g / (sum_sq.sqrt() + ADAGRAD_EPS)
+        if precision == "fp32":
+            torch.testing.assert_close(store.weight[row], expected)
+        else:  # the fp32 update, rounded with the bits of (seed 0, step 1, row)
+            bits = rounding_bits(0, 1, torch.tensor([row]), DIM)
+            rounded = stochastic_round(expected[None], store.weight.dtype, bits)[0]
+            assert torch.equal(store.weight[row], rounded)
         assert store.state["sum_sq"][row] == pytest.approx(float(sum_sq))
     untouched = torch.ones(sum(SIZES), dtype=torch.bool)
     untouched[[3, 10, 24]] = False
@@ -148,13 +173,20 @@ def _free_port() -> int:
 
 
 def _rank_main(
-    rank: int, world: int, port: int, out: str, optimizer: str, admission: int, grad_clip: float
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    optimizer: str,
+    admission: int,
+    grad_clip: float,
+    precision: str,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     store = ShardedEmbedding(
         SIZES, DIM, optimizer, lr=0.05, admission_min_count=admission, seed=1,
-        rank=rank, world_size=world, max_grad_norm=grad_clip,
+        rank=rank, world_size=world, max_grad_norm=grad_clip, table_precision=precision,
     )  # fmt: skip
     _train(store, _global_batches(steps=6, batch=8), rank, world)
     torch.save(store.state_dict(), Path(out) / f"rank{rank}.pt")
@@ -162,17 +194,20 @@ def _rank_main(
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "admission", "grad_clip"),
+    ("optimizer", "admission", "grad_clip", "precision"),
     [
-        ("rowwise_adagrad", 0, 0.0),
-        ("lazy_adam", 0, 0.0),
-        ("rowwise_adagrad", 2, 0.0),
+        ("rowwise_adagrad", 0, 0.0, "fp32"),
+        ("lazy_adam", 0, 0.0, "fp32"),
+        ("rowwise_adagrad", 2, 0.0, "fp32"),
         # About half the rows' gradients are longer than 0.1: clipped once summed.
-        ("rowwise_adagrad", 0, 0.1),
+        ("rowwise_adagrad", 0, 0.1, "fp32"),
+        # 2-byte rows: the rounding bits follow the global row, not the rank.
+        ("lazy_adam", 0, 0.0, "fp16"),
+        ("rowwise_adagrad", 2, 0.0, "bf16"),
     ],
 )
 def test_two_ranks_equal_one_process(
-    tmp_path: Path, optimizer: str, admission: int, grad_clip: float
+    tmp_path: Path, optimizer: str, admission: int, grad_clip: float, precision: str
 ) -> None:
     """Rows after 6 steps on 2 gloo ranks (batch 4 each) = 1 process with batch 8."""
     # Fresh interpreters, not forks: the test process runs threads (Prefect, moto, rich)
@@ -182,7 +217,7 @@ def test_two_ranks_equal_one_process(
     processes = [
         context.Process(
             target=_rank_main,
-            args=(rank, 2, port, str(tmp_path), optimizer, admission, grad_clip),
+            args=(rank, 2, port, str(tmp_path), optimizer, admission, grad_clip, precision),
         )
         for rank in range(2)
     ]
@@ -196,15 +231,28 @@ def test_two_ranks_equal_one_process(
 
     reference = ShardedEmbedding(
         SIZES, DIM, optimizer, lr=0.05, admission_min_count=admission, seed=1,
-        max_grad_norm=grad_clip,
+        max_grad_norm=grad_clip, table_precision=precision,
     )  # fmt: skip
     _train(reference, _global_batches(steps=6, batch=8), 0, 1)
-    assert not torch.equal(reference.weight, init_rows(SIZES, DIM, seed=1))  # it trained
+    dtype = TABLE_DTYPES[precision]
+    assert not torch.equal(reference.weight, init_rows(SIZES, DIM, seed=1, dtype=dtype))
     if grad_clip:
         unclipped = ShardedEmbedding(SIZES, DIM, optimizer, lr=0.05, seed=1)
         _train(unclipped, _global_batches(steps=6, batch=8), 0, 1)
         assert not torch.allclose(unclipped.weight, reference.weight)  # the clip acted
-    torch.testing.assert_close(two_ranks, reference.weight, rtol=1e-6, atol=1e-7)
+    if precision == "fp32":
+        torch.testing.assert_close(two_ranks, reference.weight, rtol=1e-6, atol=1e-7)
+        return
+    # fp32 sums differ in the last bit with the order of ranks, which can flip a rounding
+    # now and then (by one unit in the last place); bits keyed by the local row, or by
+    # the rank, would change most of the updated elements.
+    assert two_ranks.dtype == dtype
+    updated = reference.weight != init_rows(SIZES, DIM, seed=1, dtype=dtype)
+    same = two_ranks == reference.weight
+    assert int((updated & same).sum()) >= 0.95 * int(updated.sum())
+    steps = (two_ranks.float() - reference.weight.float()).abs()
+    ulp = reference.weight.float().abs().clamp(min=2.0**-14) * torch.finfo(dtype).eps
+    assert bool((steps <= ulp * 1.01).all())
 
 
 def test_accumulated_micro_batches_update_once_with_the_summed_gradient() -> None:
@@ -414,3 +462,157 @@ def test_warm_start_refuses_a_table_that_shrank() -> None:
         warm_start_state([store.state_dict()], [4, 3], [3, 3], [[], []], DIM, 0, 0, 1)
     with pytest.raises(ValueError, match="same features"):
         warm_start_state([store.state_dict()], [4, 3], [4], [[]], DIM, 0, 0, 1)
+
+
+# -- table precision ----------------------------------------------------------------------
+
+
+def test_rounding_bits_are_a_function_of_seed_step_row_and_column() -> None:
+    rows = torch.tensor([0, 5, 9, 1_000_000_007])
+    bits = rounding_bits(7, 3, rows, 6)
+    assert bits.shape == (4, 6) and bits.dtype == torch.int32
+    assert torch.equal(bits, rounding_bits(7, 3, rows, 6))  # deterministic
+    # A row's bits do not depend on the other rows of the call (nor on their order).
+    assert torch.equal(rounding_bits(7, 3, torch.tensor([9]), 6)[0], bits[2])
+    assert torch.equal(rounding_bits(7, 3, rows.flip(0), 6), bits.flip(0))
+    # Nor on D beyond their own column: the first 4 columns are the same at D = 4.
+    assert torch.equal(rounding_bits(7, 3, rows, 4), bits[:, :4])
+    for other in (rounding_bits(8, 3, rows, 6), rounding_bits(7, 4, rows, 6)):
+        assert int((other == bits).sum()) <= 2  # seed and step change (almost) every draw
+    assert len(set(bits[1].tolist())) == 6  # the columns differ
+    many = rounding_bits(-1, 2**40, torch.arange(20_000), 16)  # any int seed and step
+    assert int(many.min()) >= 0 and int(many.max()) < 2**16
+    # Uniform: each of 16 bins of the 16-bit range holds about 1/16 of 320k draws.
+    counts = torch.bincount((many // 4096).flatten(), minlength=16).double()
+    assert float((counts / counts.sum() - 1 / 16).abs().max()) < 0.002
+
+
+def _draw_bits(n: int, dim: int = 1) -> torch.Tensor:
+    return rounding_bits(11, 1, torch.arange(n), dim)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("value", [0.1, -0.1, 1e-6, -3.3e-5, 1.0 + 2**-12, 0.3333, -700.3])
+def test_stochastic_round_is_unbiased_and_picks_a_neighbour(
+    dtype: torch.dtype, value: float
+) -> None:
+    # 1e-6 and -3.3e-5 are below fp16's 2**-14 (its subnormals, spaced 2**-24).
+    n = 40_000
+    x = torch.full((n, 1), value)
+    rounded = stochastic_round(x, dtype, _draw_bits(n))
+    assert rounded.dtype == dtype
+    x32 = torch.tensor(value)  # fp32, as the table's updates are
+    values = {float(v) for v in rounded.float()}
+    assert len(values) == 2, values  # both neighbours occur
+    down, up = sorted(values)
+    assert down <= float(x32) <= up
+    assert torch.tensor(down, dtype=dtype).float() == down and up > down
+    assert torch.nextafter(torch.tensor(down, dtype=dtype), torch.tensor(up, dtype=dtype)) == up
+    # Unbiased: the mean is x within 4 standard errors of the Bernoulli draw.
+    p = (float(x32) - down) / (up - down)
+    sigma = (up - down) * (p * (1 - p) / n) ** 0.5
+    assert abs(float(rounded.double().mean()) - float(x32)) <= 4 * sigma + 1e-12
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_stochastic_round_keeps_representable_values(dtype: torch.dtype) -> None:
+    exact = torch.tensor([[0.0, -0.0, 1.0, -(2.0**-20), 0.5, -3.0, 2.0**-24, 1024.0]])
+    exact = exact.to(dtype).float().repeat(1000, 1)
+    bits = _draw_bits(1000, exact.shape[1])
+    assert torch.equal(stochastic_round(exact, dtype, bits).float(), exact)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_quarter_ulp_update_moves_a_quarter_of_the_rows(dtype: torch.dtype) -> None:
+    # Rounding to nearest would drop every such update; stochastic rounding keeps its mean.
+    n = 20_000
+    start = torch.full((n, 1), 1.0)
+    ulp = float(torch.finfo(dtype).eps)  # spacing above 1.0
+    rounded = stochastic_round(start + ulp / 4, dtype, _draw_bits(n)).float()
+    moved = float((rounded != 1.0).double().mean())
+    assert moved == pytest.approx(0.25, abs=0.02)
+    assert (start + ulp / 4).to(dtype).float().eq(1.0).all()  # round to nearest moves none
+
+
+def test_stochastic_round_refuses_fp32() -> None:
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        stochastic_round(torch.zeros(1, 1), torch.float32, torch.zeros(1, 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_resumed_half_table_is_bitwise_the_uninterrupted_one(
+    tmp_path: Path, precision: str
+) -> None:
+    batches = _global_batches(steps=6, batch=8)
+
+    def store() -> ShardedEmbedding:
+        return ShardedEmbedding(
+            SIZES, DIM, "lazy_adam", lr=0.05, admission_min_count=2, seed=4,
+            table_precision=precision,
+        )  # fmt: skip
+
+    straight = store()
+    _train(straight, batches, 0, 1)
+    first = store()
+    _train(first, batches[:3], 0, 1)
+    save_file(first.state_dict(), str(tmp_path / "shard.safetensors"))
+    resumed = store()
+    resumed.load_state_dict(load_file(str(tmp_path / "shard.safetensors")))
+    _train(resumed, batches[3:], 0, 1)
+    for name, tensor in straight.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+    assert straight.state["exp_avg"].dtype == torch.float32  # the state stays fp32
+    # Checkpoints are stored at table precision: the rows take half the bytes.
+    fp32 = ShardedEmbedding(SIZES, DIM, "lazy_adam", lr=0.05, seed=4)
+    half_bytes = straight.weight.numel() * straight.weight.element_size()
+    assert half_bytes * 2 == fp32.weight.numel() * fp32.weight.element_size()
+    # A resume does not convert: rows of another precision are refused, naming both.
+    with pytest.raises(ValueError, match=f"rows are {precision} but .*table_precision is fp32"):
+        fp32.load_state_dict(
+            {**straight.state_dict(), "counts": torch.zeros(25, dtype=torch.int64)}
+        )
+
+
+def test_reshard_state_keeps_the_table_precision() -> None:
+    shards = [
+        ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", 0.1, 0, 3, r, 2, table_precision="bf16")
+        for r in range(2)
+    ]
+    moved = reshard_state([s.state_dict() for s in shards], sum(SIZES), 0, 1)
+    assert moved["weight"].dtype == torch.bfloat16 and moved["sum_sq"].dtype == torch.float32
+    assert torch.equal(moved["weight"], init_rows(SIZES, DIM, 3, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("parent", "child"), [("fp32", "bf16"), ("fp16", "fp32"), ("bf16", "fp16")]
+)
+def test_warm_start_converts_the_parent_rows_to_this_precision(parent: str, child: str) -> None:
+    old_sizes, new_sizes, reset = [4, 3], [6, 3], [[1], []]
+    generator = torch.Generator().manual_seed(1)
+    shards = []
+    for rank in range(2):
+        store = ShardedEmbedding(
+            old_sizes, DIM, "rowwise_adagrad", 0.1, seed=3, rank=rank, world_size=2,
+            table_precision=parent,
+        )  # fmt: skip
+        store.weight.copy_(torch.randn(store.weight.shape, generator=generator))
+        shards.append({k: v.clone() for k, v in store.state_dict().items()})
+    parent_rows = gather_full_table([s["weight"] for s in shards], 7)
+    state = warm_start_state(shards, old_sizes, new_sizes, reset, DIM, 5, 0, 1, child)
+    dtype = TABLE_DTYPES[child]
+    assert state["weight"].dtype == dtype and state["sum_sq"].dtype == torch.float32
+    fresh = init_rows(new_sizes, DIM, 5, dtype=dtype)
+    for new_row, old_row in {0: 0, 2: 2, 3: 3, 6: 4, 7: 5, 8: 6}.items():
+        assert torch.equal(state["weight"][new_row], parent_rows[old_row].to(dtype))
+    for new_row in (1, 4, 5):
+        assert torch.equal(state["weight"][new_row], fresh[new_row])
+    ShardedEmbedding(new_sizes, DIM, "rowwise_adagrad", 0.1, table_precision=child).load_state_dict(
+        state
+    )
+
+
+def test_warm_start_refuses_rows_beyond_the_precision_range() -> None:
+    store = ShardedEmbedding([4, 3], DIM, "rowwise_adagrad", 0.1, table_precision="bf16")
+    store.weight[2, 0] = 1e6  # fine in bf16, beyond fp16's 65504
+    with pytest.raises(ValueError, match="table_precision: fp16"):
+        warm_start_state([store.state_dict()], [4, 3], [4, 3], [[], []], DIM, 0, 0, 1, "fp16")
