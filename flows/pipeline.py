@@ -453,6 +453,8 @@ TRAIN_FIGURES = (
     "step_ms",
     # Rank 0's start-up by phase (CTR models): where the time to the first step went.
     "startup_s",
+    # How the sharded embedding rows were stored (fp32, fp16, bf16).
+    "table_precision",
     "final_loss",
     # launcher 'per_node': earlier attempts that failed, with the nodes they lost and why.
     "failed_attempts",

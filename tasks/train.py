@@ -192,6 +192,12 @@ def train_task(
             "seconds": result.seconds,
             "step_ms": result.step_ms,
             **({"startup_s": result.startup_s} if result.startup_s else {}),
+            # How the sharded rows were stored (CTR models with a sharded table).
+            **(
+                {"table_precision": result.table_precision}
+                if result.table_precision is not None
+                else {}
+            ),
             **({"failed_attempts": failed_attempts} if failed_attempts else {}),
             # In-training validation (train.eval_every_epochs): best step, curve, stop reason.
             **({"validation": validation} if validation is not None else {}),

@@ -201,6 +201,7 @@ _CTR_ONLY_FIELDS = {
     "dropout": "the sequence models take train.sequence.dropout; ",
     "offload_optimizer": "the pipeline engine keeps its optimizer state on the rank; ",
     "embeddings": "the item table is a tied pipeline layer; ",
+    "table_precision": "the item table trains with the dense side at train.precision; ",
     "sparse_optimizer": "the item table is trained by the dense optimizer (train.lr); ",
     "sparse_lr": "the item table is trained by the dense optimizer (train.lr); ",
     "sparse_weight_decay": "the item table takes train.weight_decay; ",
@@ -321,8 +322,21 @@ class TrainConfig(BaseModel):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
-        description="Training precision of the dense side (fp16 uses loss scaling); the "
-        "embedding rows, their optimizer state and the loss are always fp32.",
+        description="Training precision of the dense side (fp16 uses loss scaling). The "
+        "sharded embedding rows take train.table_precision; their optimizer state and the "
+        "loss are always fp32.",
+    )
+    table_precision: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32",
+        description="How the sharded embedding rows are stored (embeddings: sharded only): "
+        "fp16 and bf16 halve the bytes of each row. Each update is computed in fp32 and "
+        "rounded back stochastically, with random bits that are a function of (seed, step, "
+        "global row, column), so runs are reproducible, a resume is bitwise and the world "
+        "size does not change the result. The row-wise optimizer state stays fp32, and "
+        "lookups upcast the rows. fp16 works on CPU too: the rows never go through "
+        "DeepSpeed. Checkpoints keep this precision (a resume cannot change it; a warm "
+        "start converts); model.safetensors and the exported package hold the rows "
+        "upcast to fp32, which is exact.",
     )
     loss_scale: float = Field(
         0.0, ge=0, description="fp16 only: a static loss scale, or 0 for dynamic loss scaling."
@@ -592,6 +606,12 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "train.offload_optimizer needs train.zero_stage >= 1 (ZeRO-Offload partitions "
                 "the optimizer state); set zero_stage: 1, 2 or 3, or offload_optimizer: false"
+            )
+        if self.table_precision != "fp32" and self.embeddings == "dense":
+            raise ValueError(
+                f"train.table_precision={self.table_precision} applies to embeddings: "
+                "sharded; a dense table trains at train.precision: remove it or set "
+                "embeddings: sharded"
             )
         if self.loss_scale and self.precision != "fp16":
             raise ValueError(

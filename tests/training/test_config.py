@@ -119,6 +119,10 @@ def test_config_module_imports_without_torch() -> None:
         ({"data_streams": 4, "batch_size": 3}, ["train.data_streams=4", "batch_size"]),
         ({"offload_optimizer": True}, ["train.offload_optimizer", "zero_stage"]),
         ({"loss_scale": 128.0}, ["train.loss_scale", "precision: fp16"]),
+        (
+            {"table_precision": "bf16", "embeddings": "dense"},
+            ["train.table_precision=bf16", "embeddings: sharded"],
+        ),
     ],
 )
 def test_inconsistent_settings_name_the_fields_to_change(override: dict, names: list) -> None:
@@ -147,6 +151,16 @@ def test_checkpoint_every_s_is_in_neither_the_cache_key_nor_the_resume_fingerpri
     assert TrainConfig(checkpoint_every=5).fingerprinted() != key  # in the key, as it was
     # A resume may change either trigger.
     assert {"checkpoint_every", "checkpoint_every_s"} <= set(NOT_FINGERPRINTED)
+
+
+def test_table_precision_keys_the_cache_and_the_resume_checkpoints() -> None:
+    # A checkpoint's rows are at the precision they trained in: a resume cannot change it.
+    for key in ("fingerprinted", "resume_keyed"):
+        fp32 = getattr(TrainConfig(), key)()
+        assert getattr(TrainConfig(table_precision="bf16"), key)() != fp32
+    assert "table_precision" not in NOT_FINGERPRINTED
+    with pytest.raises(ValidationError, match="train.table_precision='fp16' does not apply"):
+        TrainConfig(model="sasrec", world_size=1, table_precision="fp16")
 
 
 def test_dropout_is_for_the_ctr_mlps() -> None:
@@ -295,8 +309,8 @@ def test_cpu_ranks_share_the_cores_of_the_machine_they_run_on() -> None:
     assert TrainConfig(**nodes).intra_op_threads(16) == 2  # node threads: one machine
     # Nodes on machines of their own: the node's ranks share its cores.
     assert TrainConfig(**nodes, node_dispatch="workers").intra_op_threads(16) == 4
-    assert TrainConfig(**nodes, node_dispatch="workers", threads_per_rank=1).intra_op_threads(
-        16
-    ) == 1
+    assert (
+        TrainConfig(**nodes, node_dispatch="workers", threads_per_rank=1).intra_op_threads(16) == 1
+    )
     # How a rank runs, not what it trains: no new cache key or resume fingerprint.
     assert TrainConfig(threads_per_rank=1).fingerprinted() == TrainConfig().fingerprinted()

@@ -9,13 +9,15 @@ W = world_size, B = batch_size (micro batch per rank), P = dense parameters, Dn 
 features. Every figure is for the worst rank, rank 0: it holds ceil(N / W) embedding
 rows (row g lives on rank g % W), the largest ZeRO partition, and the consolidation.
 
-- "sharded" embeddings: one fused fp32 table of N x D, row-wise sharded, plus a
-  replicated F x D table of per-feature default rows (the rows of ids not admitted
+- "sharded" embeddings: one fused table of N x D, row-wise sharded, at
+  train.table_precision (4 bytes a value at fp32, 2 at fp16 and bf16), plus a
+  replicated F x D fp32 table of per-feature default rows (the rows of ids not admitted
   yet); both are trained by the sparse optimizer, whose state per row is 1 fp32
-  (rowwise_adagrad) or 2 * D fp32 (lazy_adam: m and v). Frequency admission
-  (admission_min_count >= 2) keeps an int32 counter per local row. At the end every
-  rank streams its share of the table into model.safetensors (`training.runtime.consolidate`):
-  one chunk read and one written, 2 x min(N x D fp32, CHUNK_BYTES) more, not the table.
+  (rowwise_adagrad) or 2 * D fp32 (lazy_adam: m and v) at every table precision.
+  Frequency admission (admission_min_count >= 2) keeps an int32 counter per local row.
+  At the end every rank streams its share of the table into model.safetensors, upcast
+  to fp32 (`training.runtime.consolidate`): one chunk read and one written,
+  2 x min(N x D fp32, CHUNK_BYTES) more, not the table.
 - "dense" embeddings: the tables are ordinary parameters of the DeepSpeed module;
   N * D is added to P and they are counted as dense parameters.
 - Dense side, AdamW under DeepSpeed, per parameter: fp32 = params 4 B + grads 4 B +
@@ -28,7 +30,8 @@ rows (row g lives on rank g % W), the largest ZeRO partition, and the consolidat
   weights when it writes model.safetensors (the partitions are memory-mapped); ZeRO 3
   streams each parameter from the partitions in chunks, min(P fp32, CHUNK_BYTES) more.
 - Activations: forward tensors per sample times ACTIVATION_SAFETY_FACTOR, plus, for
-  sharded embeddings, the unique rows gathered per step and their gradients.
+  sharded embeddings, the unique rows gathered per step and their gradients (fp32), and
+  for a 2-byte table the fp32 working copy and the random bits of its rounded update.
 - Reader: the prefetched batches and the batch in use. Runtime: RUNTIME_BYTES.
 """
 
@@ -62,12 +65,21 @@ ACTIVATION_SAFETY_FACTOR = 3
 GATHER_COPIES = 4
 
 
+# A 2-byte table's update per step: the updated rows in fp32 and their int32 rounding
+# bits (`ShardedEmbedding._subtract_rows`).
+ROUNDING_COPIES = 2
+
+
 # The world_size suggestion looks no further than this many ranks.
 MAX_SUGGESTED_WORLD_SIZE = 4096
 
 
 # Bytes per dense parameter: (param, grad, optimizer state incl. fp32 masters).
 _DENSE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+
+
+# Bytes per value of the sharded table's rows, by train.table_precision.
+TABLE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 _ACCELERATORS = ("cpu", "cuda")
@@ -130,7 +142,10 @@ def plan_memory(
         local_rows = -(-rows // world_size)  # ceil: rank 0 holds the extra rows
         held_rows = local_rows + features  # plus the replicated default rows
         state_per_row = 1 if config.sparse_optimizer == "rowwise_adagrad" else 2 * dim
-        per_rank["embeddings"] = held_rows * dim * FP32_BYTES
+        # The table's rows at their precision; the default rows are fp32 parameters.
+        per_rank["embeddings"] = (
+            local_rows * dim * TABLE_BYTES[config.table_precision] + features * dim * FP32_BYTES
+        )
         per_rank["sparse_optimizer"] = held_rows * state_per_row * FP32_BYTES
         if config.admission_min_count >= 2:
             per_rank["admission"] = local_rows * INT32_BYTES
@@ -157,6 +172,8 @@ def plan_memory(
     if sharded:
         unique_rows = min(config.batch_size * features, rows)
         per_rank["activations"] += unique_rows * dim * FP32_BYTES * GATHER_COPIES
+        if config.table_precision != "fp32":
+            per_rank["activations"] += unique_rows * dim * FP32_BYTES * ROUNDING_COPIES
     num_labels = len(config.tasks) if config.tasks else 1
     batch_bytes = config.batch_size * (
         features * INT64_BYTES + num_dense_features * FP32_BYTES + num_labels * FP32_BYTES
@@ -222,7 +239,7 @@ def check_memory(
     The message gives the need and the budget (and where it came from), the largest
     components and the single changes that would make the plan fit, each re-planned:
     a world_size, an embedding_dim, a row cap on the largest features, rowwise_adagrad,
-    sharded embeddings, a higher ZeRO stage or offload_optimizer.
+    sharded embeddings, 2-byte table rows, a higher ZeRO stage or offload_optimizer.
 
     Args:
         plan: The plan from `plan_memory` for `config`.
@@ -363,6 +380,12 @@ def _suggestions(
 
     if config.embeddings == "sharded" and config.sparse_optimizer == "lazy_adam":
         offer("train.sparse_optimizer: rowwise_adagrad", replan(sparse_optimizer="rowwise_adagrad"))
+    if config.embeddings == "sharded" and config.table_precision == "fp32":
+        offer(
+            "train.table_precision: bf16 (or fp16): 2-byte rows with stochastic rounding, "
+            "the optimizer state stays fp32",
+            replan(table_precision="bf16"),
+        )
     if config.embeddings == "dense":
         offer("train.embeddings: sharded", replan(embeddings="sharded"))
 

@@ -152,6 +152,8 @@ def warm_start_spec(
         # the parent trained with the same ZeRO stage and precision.
         "zero_stage": int(parent_train.get("zero_stage", 0)),
         "precision": str(parent_train.get("precision", "fp32")),
+        # The parent's rows are converted when this run's table_precision differs.
+        "table_precision": str(parent_train.get("table_precision", "fp32")),
         "checkpoint": str(parent_dir / CHECKPOINT_DIR / CHECKPOINT_TAG),
         "world_size": int(parent_world_size),
         "old_sizes": old_sizes,

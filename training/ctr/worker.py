@@ -427,6 +427,7 @@ def run(spec: dict[str, Any]) -> None:
                 "new_rows": sum(spec["model_config"]["table_sizes"]) - sum(warm["old_sizes"]),
                 # None: a retry resumed from this run's own checkpoint instead.
                 "dense_optimizer": warm_note,
+                "table_rows": _table_rows_note(warm, config),
             },
         )  # fmt: skip
     if log_file is not None:
@@ -490,6 +491,7 @@ def _build_modules(
         config.sparse_weight_decay,
         # train.grad_clip bounds each row's gradient too; DeepSpeed clips the dense side.
         max_grad_norm=config.grad_clip,
+        table_precision=config.table_precision,
     )
     return module, store
 
@@ -553,6 +555,7 @@ def warm_start(
         config.seed,
         rank,
         world_size,
+        config.table_precision,
     )
     store.load_state_dict(state)
 
@@ -877,6 +880,7 @@ def _write_summary(
         "seconds": seconds,
         "world_size": world_size,
         "embeddings": config.embeddings,
+        **({"table_precision": config.table_precision} if config.embeddings == "sharded" else {}),
         "step_ms": {name: counters.totals[name] / max(counters.step, 1) for name in PHASES},
         "sparse_rows_updated_rank0": counters.rows_updated,
         "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -888,6 +892,15 @@ def _write_summary(
         **({"warm_start": warm_start} if warm_start is not None else {}),
     }
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _table_rows_note(warm: dict[str, Any], config: TrainConfig) -> str:
+    """How a warm start took the parent's rows: carried, or converted to this precision."""
+    parent = str(warm.get("table_precision", "fp32"))
+    if parent == config.table_precision:
+        return "carried"
+    how = "exact" if config.table_precision == "fp32" else "rounded to nearest"
+    return f"converted {parent} -> {config.table_precision} ({how})"
 
 
 def _loss_scale(engine: deepspeed.DeepSpeedEngine, config: TrainConfig) -> float:

@@ -147,6 +147,8 @@ class TrainResult:
         startup_s: Rank 0's seconds from its process start to the first step, by phase
             (imports, rendezvous, table_init, engine, reader, resume); empty where the
             model family does not report it.
+        table_precision: How the sharded embedding rows were stored (CTR models with
+            embeddings: sharded); None where the run had no sharded table.
     """
 
     out_dir: Path
@@ -160,6 +162,7 @@ class TrainResult:
     world_size: int | None = None
     resumed_from_world_size: int | None = None
     startup_s: dict[str, float] = field(default_factory=dict)
+    table_precision: str | None = None
 
 
 def chaos_settings(env: Mapping[str, str]) -> dict[str, Any]:

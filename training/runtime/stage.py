@@ -185,4 +185,5 @@ def run_train_stage(
         world_size=summary.get("world_size", config.world_size),
         resumed_from_world_size=summary.get("resumed_from_world_size"),
         startup_s=dict(summary.get("startup_s", {})),
+        table_precision=summary.get("table_precision"),
     )

@@ -96,6 +96,48 @@ def test_sharded_rowwise_adagrad_exact_bytes() -> None:
     assert plan.host_offload == 0 and plan.world_size == 3
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_two_byte_table_halves_the_rows_but_not_the_optimizer_state(precision: str) -> None:
+    fp32 = tiny_plan()
+    half = tiny_plan(table_precision=precision)
+    # 6 local rows at 2 bytes; the 2 default rows are fp32 parameters.
+    assert half.per_rank["embeddings"] == 6 * 4 * 2 + 2 * 4 * 4 == 80
+    assert half.per_rank["sparse_optimizer"] == fp32.per_rank["sparse_optimizer"] == 32
+    # The rounded update: the 4 gathered rows in fp32 and their int32 bits.
+    assert half.per_rank["activations"] == ACTIVATIONS + GATHERED + 4 * 4 * 4 * 2
+    assert half.per_rank["consolidation"] == fp32.per_rank["consolidation"]  # fp32 out
+    assert half.total - fp32.total == 80 - 128 + 128
+    # Table plus optimizer-state bytes per row at D = 16, rowwise_adagrad: 36 over 68.
+    config = tiny_config(embedding_dim=16, bottom_mlp=[8, 16])
+    rows = [1_000_000]
+    per_row = {}
+    for name in ("fp32", "fp16"):
+        plan = plan_memory(config.model_copy(update={"table_precision": name}), rows, 3, 100, 1)
+        per_row[name] = (plan.per_rank["embeddings"] + plan.per_rank["sparse_optimizer"]) / 1e6
+    assert per_row["fp32"] == pytest.approx(68, abs=0.01)
+    assert per_row["fp16"] == pytest.approx(36, abs=0.01)
+
+
+def test_refusal_names_a_table_precision_that_fits() -> None:
+    config, plan = big_sharded_case()
+    adagrad = config.model_copy(update={"sparse_optimizer": "rowwise_adagrad"})
+    adagrad_plan = replan(plan, adagrad)
+    half = adagrad.model_copy(update={"table_precision": "bf16"})
+    budget = replan(plan, half).total
+    assert adagrad_plan.total > budget
+    message = refusal(adagrad_plan, adagrad, budget, "train.memory_per_rank_gb")
+    assert "  - train.table_precision: bf16 (or fp16)" in message
+    assert message.index("Any one of these fits") < message.index("train.table_precision")
+    assert "rowwise_adagrad" not in message  # the text names no optimizer
+    check_memory(replan(plan, half), half, budget, "test")
+    # Not offered again at bf16, nor for a dense table.
+    half_plan = replan(plan, half)
+    assert "table_precision" not in refusal(half_plan, half, half_plan.total - 1, "test")
+    dense = TrainConfig(embeddings="dense", embedding_dim=16, world_size=2)
+    dense_plan = plan_memory(dense, [5_000_000, 100_000], 13, 20_000, 2)
+    assert "table_precision" not in refusal(dense_plan, dense, dense_plan.total - 1, "test")
+
+
 def test_lazy_adam_keeps_two_moments_per_element() -> None:
     adagrad = tiny_plan()
     adam = tiny_plan(sparse_optimizer="lazy_adam")

@@ -422,3 +422,5 @@ def test_the_machine_budget_suggests_fewer_ranks_and_names_features(
     message = str(error.value)
     assert "85% of this machine's 20.0 GiB / 2 ranks" in message
     assert "user_id" in message and "embedding_dim" in message
+    # 2-byte rows: 200M local rows x 16 x 2 B fit where 4 B do not.
+    assert "train.table_precision: bf16" in message
