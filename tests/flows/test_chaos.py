@@ -112,6 +112,7 @@ def test_killing_the_flow_during_shard_and_train_then_rerunning_gives_the_same_m
     assert stages["train"]["world_size"] == stages["train"]["resumed_from_world_size"]
     assert stages["train"]["steps"] > preempted and stages["train"]["samples_per_s"] > 0
     assert set(stages["train"]["step_ms"]) and stages["train"]["final_loss"] > 0
+    assert stages["train"]["table_precision"] == "fp32"  # the shipped default, recorded
     # Where the resumed run's time to its first step went, by phase.
     startup = stages["train"]["startup_s"]
     assert {"imports", "rendezvous", "table_init", "engine", "reader", "resume"} == set(startup)

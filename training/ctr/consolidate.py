@@ -51,7 +51,8 @@ def table_chunks(
         chunk_rows: Table rows per chunk (rounded down to a multiple of the shards).
 
     Yields:
-        (first element of the chunk in the table, (rows, D) fp32 rows).
+        (first element of the chunk in the table, (rows, D) fp32 rows): 2-byte shards
+        (train.table_precision) upcast, which is exact.
 
     Raises:
         ValueError: The shards do not hold the table's rows.

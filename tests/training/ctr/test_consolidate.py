@@ -80,24 +80,28 @@ def test_the_file_is_what_safetensors_writes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("shards", "writers", "chunk_rows", "min_count"),
+    ("shards", "writers", "chunk_rows", "min_count", "dtype"),
     [
-        (1, 1, 1_000, 0),  # one chunk
-        (2, 2, 4, 3),  # ranks share the chunks, admission
-        (3, 2, 6, 2),  # more shards than writers, rows not a multiple of the shards
-        (3, 5, 3, 0),  # more writers than chunks: some write nothing
-        (4, 1, 5, 4),  # chunk rows rounded down to whole rows per shard
+        (1, 1, 1_000, 0, torch.float32),  # one chunk
+        (2, 2, 4, 3, torch.float32),  # ranks share the chunks, admission
+        (3, 2, 6, 2, torch.float32),  # more shards than writers, rows not a multiple
+        (3, 5, 3, 0, torch.float32),  # more writers than chunks: some write nothing
+        (4, 1, 5, 4, torch.float32),  # chunk rows rounded down to whole rows per shard
+        # 2-byte shards (train.table_precision): the table is written upcast, exactly.
+        (2, 2, 4, 3, torch.bfloat16),
+        (3, 1, 6, 0, torch.float16),
     ],
 )
 def test_the_table_is_interleaved_from_the_shards_in_chunks(
-    tmp_path: Path, shards: int, writers: int, chunk_rows: int, min_count: int
+    tmp_path: Path, shards: int, writers: int, chunk_rows: int, min_count: int, dtype: torch.dtype
 ) -> None:
     sizes = [7, 5, 11]
     generator = torch.Generator().manual_seed(shards * 10 + writers)
-    table = torch.randn(sum(sizes), 4, generator=generator)  # (23, 4)
+    table = torch.randn(sum(sizes), 4, generator=generator).to(dtype)  # (23, 4)
     counts = torch.randint(0, 6, (sum(sizes),), generator=generator, dtype=torch.int32)
     defaults = torch.randn(len(sizes), 4, generator=generator)
     files = write_shards(tmp_path, table, counts, shards)
+    table = table.float()  # every 2-byte value is exact in fp32
 
     out = tmp_path / "model.safetensors"
     layout = plan_layout({TABLE_NAME: (sum(sizes), 4), "arch.default_rows": (3, 4)})
@@ -118,6 +122,7 @@ def test_the_table_is_interleaved_from_the_shards_in_chunks(
 
     loaded = load_file(str(out))
     expected = reference_table(table, counts, defaults, sizes, min_count)
+    assert loaded[TABLE_NAME].dtype == torch.float32
     assert torch.equal(loaded[TABLE_NAME], expected)
     if min_count >= 2:
         assert not torch.equal(expected, table)  # the case substitutes rows

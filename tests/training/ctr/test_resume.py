@@ -23,7 +23,9 @@ from training.runtime.launcher import CHAOS_CHECKPOINT_FAULT, CHAOS_SKIP_RESTORE
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 # Lazy Adam rows, AdamW with warmup and decay on ZeRO-2, dropout (the RNG matters),
-# gradient clipping: every piece of state counts.
+# gradient clipping, fp16 rows with stochastic rounding (its bits follow the step and
+# the global row): every piece of state counts. fp32 rows resume bitwise in
+# tests/flows (test_chaos, test_elastic).
 CONFIG = {
     "embedding_dim": 8,
     "bottom_mlp": [16, 8],
@@ -37,6 +39,7 @@ CONFIG = {
     # global norm ~1e-2 to 1e-1: both clips act at every step.
     "grad_clip": 5e-4,
     "sparse_optimizer": "lazy_adam",
+    "table_precision": "fp16",
     "world_size": 2,
     "checkpoint_every": 4,
     "log_every": 1,

@@ -206,14 +206,19 @@ ENGINE_CASES = {
         "tasks": ["click", "purchase"],
         "pooling": "sum",
     },
-    "zero0-bf16-sharded-lazyadam-admission": {
+    "zero0-bf16-sharded-bf16rows-lazyadam-admission": {
         "zero_stage": 0,
         "precision": "bf16",
+        "table_precision": "bf16",
         "sparse_optimizer": "lazy_adam",
         "admission_min_count": 3,
     },
     "zero3-bf16-dense": {"zero_stage": 3, "precision": "bf16", "embeddings": "dense"},
-    "zero1-offload-sharded": {"zero_stage": 1, "offload_optimizer": True},
+    "zero1-offload-sharded-fp16rows": {
+        "zero_stage": 1,
+        "offload_optimizer": True,
+        "table_precision": "fp16",
+    },
     # ZeRO-3 arch partitions streamed lazily, the table's chunks written by both ranks.
     "zero3-sharded-admission": {"zero_stage": 3, "admission_min_count": 2},
 }
@@ -277,12 +282,20 @@ def test_train_with_deepspeed_on_two_cpu_ranks(
             "sparse-rank-00000-of-00002.safetensors",
             "sparse-rank-00001-of-00002.safetensors",
         ]
+        summary = json.loads((out / "train_summary.json").read_text())
+        assert summary["table_precision"] == config.table_precision
+        assert result.table_precision == config.table_precision
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
         for rank, shard in enumerate(shards):  # row g of the table is row g // 2 of shard g % 2
             rows = load_file(shard)
+            # The checkpoint keeps the table's precision; the optimizer state is fp32.
+            assert rows["weight"].dtype == dtype[config.table_precision]
+            assert all(rows[k].dtype == torch.float32 for k in ("sum_sq", "exp_avg") if k in rows)
             counts = rows.get("counts", torch.zeros(len(rows["weight"])))  # admission only
             admitted = counts >= config.admission_min_count
+            # model.safetensors holds the rows upcast to fp32, exactly.
             assert torch.equal(
-                weights["embedding.weight"][rank::2][admitted], rows["weight"][admitted]
+                weights["embedding.weight"][rank::2][admitted], rows["weight"][admitted].float()
             )
     if config.precision == "bf16":
         # The fp32 master weights were saved, not the bf16 working copy.

@@ -98,6 +98,7 @@ def test_a_warm_start_on_another_world_size_equals_one_on_the_same_after_a_step(
         summary = json.loads((out / "train_summary.json").read_text())
         assert summary["warm_start"] == {
             "parent_world_size": 2, "reset_rows": 3, "new_rows": 30, "dense_optimizer": "carried",
+            "table_rows": "carried",
         }  # fmt: skip
     same, other = outputs[2], outputs[1]
     assert same.keys() == other.keys()
@@ -117,6 +118,22 @@ def test_a_warm_start_on_another_world_size_equals_one_on_the_same_after_a_step(
         if name.startswith("arch.") and name != "arch.default_rows":
             parent_tensor = load_file(parent / "model.safetensors")[name]
             assert (same[name] - parent_tensor).abs().max() < 0.05, name
+
+    # A child at another table precision converts the parent's rows (rounded to nearest)
+    # and says so.
+    out = tmp_path / "child-bf16"
+    train_model(
+        config(1, max_steps=1, table_precision="bf16"), child_shards, out, "cpu", free_port(),
+        env, warm_start=warm,
+    )  # fmt: skip
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["warm_start"]["table_rows"] == "converted fp32 -> bf16 (rounded to nearest)"
+    assert summary["table_precision"] == "bf16"
+    rows = load_file(out / "checkpoints" / "final" / "sparse-rank-00000-of-00001.safetensors")
+    assert rows["weight"].dtype == torch.bfloat16 and rows["sum_sq"].dtype == torch.float32
+    converted = load_file(out / "model.safetensors")["embedding.weight"][:101]
+    kept = (converted == users.bfloat16().float()).all(dim=1)
+    assert kept.float().mean() > 0.3 and not kept[[3, 7]].any()
 
     # A parent of another architecture, or of other tables, is refused by name before
     # anything is launched.
