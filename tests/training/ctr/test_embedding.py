@@ -492,11 +492,14 @@ def _draw_bits(n: int, dim: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("value", [0.1, -0.1, 1e-6, -3.3e-5, 1.0 + 2**-12, 0.3333, -700.3])
+@pytest.mark.parametrize(
+    "value", [0.1, -0.1, 1e-6, -3.3e-5, -6.1e-5, 6.2e-5, 1.0 + 2**-12, 0.3333, -700.3]
+)
 def test_stochastic_round_is_unbiased_and_picks_a_neighbour(
     dtype: torch.dtype, value: float
 ) -> None:
-    # 1e-6 and -3.3e-5 are below fp16's 2**-14 (its subnormals, spaced 2**-24).
+    # 1e-6, -3.3e-5 and -6.1e-5 are below fp16's 2**-14 (its subnormals, spaced 2**-24);
+    # 6.2e-5 is just above it.
     n = 40_000
     x = torch.full((n, 1), value)
     rounded = stochastic_round(x, dtype, _draw_bits(n))
@@ -532,6 +535,13 @@ def test_a_quarter_ulp_update_moves_a_quarter_of_the_rows(dtype: torch.dtype) ->
     moved = float((rounded != 1.0).double().mean())
     assert moved == pytest.approx(0.25, abs=0.02)
     assert (start + ulp / 4).to(dtype).float().eq(1.0).all()  # round to nearest moves none
+
+
+def test_stochastic_round_beyond_fp16s_range_is_inf() -> None:
+    x = torch.tensor([[70_000.0, -1e6, 65_504.0]]).repeat(100, 1)
+    rounded = stochastic_round(x, torch.float16, _draw_bits(100, 3))
+    assert rounded[:, :2].isinf().all() and (rounded[:, 2] == 65_504).all()
+    assert stochastic_round(x, torch.bfloat16, _draw_bits(100, 3)).isfinite().all()
 
 
 def test_stochastic_round_refuses_fp32() -> None:
