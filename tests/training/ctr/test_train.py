@@ -14,10 +14,11 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from safetensors.torch import load_file
 
 from artifacts.errors import ConfigError, InputNotFoundError
-from training.config import EvaluateConfig, TrainConfig
+from training.config import EvaluateConfig, ExportConfig, TrainConfig
 from training.ctr.data import load_dataset_meta
 from training.ctr.embedding import init_rows
 from training.ctr.evaluate import evaluate_model
+from training.ctr.export import export_model
 from training.ctr.model import build_model
 from training.ctr.train import plan_total_steps, train_model
 from training.errors import TrainingCrashed
@@ -309,6 +310,19 @@ def test_train_with_deepspeed_on_two_cpu_ranks(
 
     metrics = evaluate_model(EvaluateConfig(), out, shards_dir, tmp_path / "eval")
     assert metrics.num_rows == 512 and 0 <= metrics.auc <= 1
+    if config.table_precision == "fp16":
+        # The package holds the 2-byte rows upcast to fp32 (exact): its ONNX and
+        # TorchScript models match the trained one as any package's do.
+        transform = tmp_path / "transform.json"
+        transform.write_text(json.dumps({"user_id": {"vocabulary": ["a", "b"]}}))
+        package = export_model(
+            ExportConfig(parity_rows=64), out, transform, shards_dir,
+            tmp_path / "eval" / "metrics.json", tmp_path / "package",
+        )  # fmt: skip
+        assert package.parity_max_abs_diff_onnx <= 1e-5
+        assert package.parity_max_abs_diff_torchscript <= 1e-5
+        packaged = load_file(tmp_path / "package" / "model.safetensors")
+        assert torch.equal(packaged["embedding.weight"], weights["embedding.weight"])
 
 
 @pytest.mark.slow
