@@ -192,7 +192,7 @@ def train_task(
             "seconds": result.seconds,
             "step_ms": result.step_ms,
             **({"startup_s": result.startup_s} if result.startup_s else {}),
-            # How the sharded rows were stored (CTR models with a sharded table).
+            # How the sharded rows were stored (models with a sharded table).
             **(
                 {"table_precision": result.table_precision}
                 if result.table_precision is not None
