@@ -209,7 +209,9 @@ async def serve_until_final(task, task_run_id: uuid.UUID) -> None:  # noqa: ANN0
     try:
         async with get_client() as client:
             for _ in range(600):
-                if (await client.read_task_run(task_run_id)).state.is_final():
+                # A run's state reads back as None for a moment while the API sets it.
+                state = (await client.read_task_run(task_run_id)).state
+                if state is not None and state.is_final():
                     return
                 await asyncio.sleep(0.1)
         raise TimeoutError(f"task run {task_run_id} not final in 60 s")
