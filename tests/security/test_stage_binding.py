@@ -207,16 +207,10 @@ def test_an_object_added_under_a_published_data_prefix_fails_verification(bucket
     assert "train-00001-of-00001.parquet" in str(refused.value)
 
 
-def test_run_stage_at_signs_only_what_the_stage_wrote(
-    bucket: str, run_logger: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_run_stage_at_signs_only_what_the_stage_wrote(bucket: str, data_tasks: None) -> None:
     """A file PUT under the fresh data prefix while a data stage runs is never signed."""
-    import tasks.common
     from tasks.common import run_stage_at
 
-    monkeypatch.setattr(
-        tasks.common, "prefect_file_mapper", lambda stage: partial(ordered_map, workers=1)
-    )
     store = ArtifactStore(bucket)
 
     def produce(data: str) -> tuple[dict, list[str]]:
@@ -261,14 +255,16 @@ def table_bytes(table: pa.Table) -> bytes:
 @pytest.fixture
 def data_tasks(monkeypatch: pytest.MonkeyPatch, run_logger: None) -> None:
     """The data stage tasks' bodies, outside Prefect: no artifacts, steps in this thread."""
+    import tasks.common
     import tasks.preprocess
     import tasks.shard
 
-    for module in (tasks.preprocess, tasks.shard):
-        monkeypatch.setattr(module, "create_table_artifact", lambda **_: None)
+    for module in (tasks.common, tasks.preprocess, tasks.shard):
         monkeypatch.setattr(
             module, "prefect_file_mapper", lambda stage: partial(ordered_map, workers=1)
         )
+    for module in (tasks.preprocess, tasks.shard):
+        monkeypatch.setattr(module, "create_table_artifact", lambda **_: None)
 
 
 def test_a_file_planted_beside_the_listed_ones_is_never_read_by_preprocess_or_shard(
@@ -393,16 +389,12 @@ def test_a_package_copied_to_another_version_is_refused(tmp_path: Path) -> None:
 
 
 def test_on_a_bucket_the_data_stages_sign_exactly_what_they_wrote_and_refuse_a_planted_file(
-    bucket: str, data_tasks: None, monkeypatch: pytest.MonkeyPatch
+    bucket: str, data_tasks: None
 ) -> None:
-    import tasks.common
     from tasks.common import StageOutput
     from tasks.preprocess import preprocess_task
     from tasks.shard import shard_task
 
-    monkeypatch.setattr(
-        tasks.common, "prefect_file_mapper", lambda stage: partial(ordered_map, workers=1)
-    )
     store = ArtifactStore(bucket)
     events = {
         f"events/part-0000{i}-0.parquet": table_bytes(events_table(500, seed=i)) for i in range(2)
