@@ -326,10 +326,12 @@ class TrainConfig(BaseModel):
         "sharded embedding rows take train.table_precision; their optimizer state and the "
         "loss are always fp32.",
     )
-    table_precision: Literal["fp32", "fp16", "bf16"] = Field(
+    table_precision: Literal["fp32", "fp16", "bf16", "int8"] = Field(
         "fp32",
         description="How the sharded embedding rows are stored (embeddings: sharded only): "
-        "fp16 and bf16 halve the bytes of each row. Each update is computed in fp32 and "
+        "fp16 and bf16 halve the bytes of each row; int8 stores 8-bit codes with a per-row "
+        "fp32 scale and bias (FBGEMM's row-wise 8-bit layout). Each update is computed in "
+        "fp32 and "
         "rounded back stochastically, with random bits that are a function of (seed, step, "
         "global row, column), so runs are reproducible, a resume is bitwise and the world "
         "size does not change the result. The row-wise optimizer state stays fp32, and "

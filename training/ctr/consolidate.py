@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from training.ctr.embedding import table_offsets
+from training.ctr.embedding import SCALE_BIAS, decode_rows, table_offsets
 from training.runtime.consolidate import (
     Layout,
     chunk_rows_for,
@@ -51,8 +51,8 @@ def table_chunks(
         chunk_rows: Table rows per chunk (rounded down to a multiple of the shards).
 
     Yields:
-        (first element of the chunk in the table, (rows, D) fp32 rows): 2-byte shards
-        (train.table_precision) upcast, which is exact.
+        (first element of the chunk in the table, (rows, D) fp32 rows): 2-byte and int8
+        shards (train.table_precision) upcast or decoded, which is exact.
 
     Raises:
         ValueError: The shards do not hold the table's rows.
@@ -85,6 +85,8 @@ def table_chunks(
                         f"{shards} of a {num_rows}-row table holds {have}"
                     )
                 part = weight[lo:hi]  # (hi - lo, D)
+                if SCALE_BIAS in shard.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                    part = decode_rows(part, shard.get_slice(SCALE_BIAS)[lo:hi])
                 if block is None:
                     dim = part.shape[1]
                     block = torch.empty((rows, dim), dtype=torch.float32)

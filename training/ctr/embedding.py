@@ -37,8 +37,9 @@ their rows; an id seen fewer than K times (this batch included) is reported as n
 admitted, the caller substitutes its feature's shared default row (a dense
 parameter), and its row gets no update.
 
-Table precision (`table_precision`: fp32, fp16 or bf16): the rows may be stored in 2
-bytes; the optimizer state stays fp32. The owner upcasts the rows it serves, so the
+Table precision (`table_precision`: fp32, fp16, bf16 or int8): the rows may be stored
+in 2 bytes, or in 8-bit codes with a per-row fp32 scale and bias (`quantize_int8`); the
+optimizer state stays fp32. The owner upcasts the rows it serves, so the
 exchange, the model and the gradients are fp32. Each update is computed in fp32 and
 rounded back to the table's precision stochastically (`stochastic_round`: up with the
 probability of the discarded fraction, so updates far below one unit in the last place
@@ -46,11 +47,15 @@ still move a row on average, where rounding to nearest would drop them). Its ran
 are a function of (seed, step, global row, column) only (`rounding_bits`): a run is
 reproducible, a resume is bitwise, and the world size does not change the result.
 One-off conversions (init, a warm start from a parent of another precision) round to
-nearest; a 2-byte value is exact in fp32, so upcasting never rounds.
+nearest; a 2-byte value is exact in fp32, so upcasting never rounds. An int8 row keeps
+its grid (scale and bias) while its updated values stay inside it, so an update moves
+each value by a stochastically rounded number of steps and an untouched value keeps its
+code; a value leaving the grid re-grids that row on its new minimum and maximum.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -65,13 +70,19 @@ ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 
 SparseOptimizer = Literal["rowwise_adagrad", "lazy_adam"]
-TablePrecision = Literal["fp32", "fp16", "bf16"]
+TablePrecision = Literal["fp32", "fp16", "bf16", "int8"]
+# How each precision stores a row's values; int8 rows also keep SCALE_BIAS.
 TABLE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
+    "int8": torch.uint8,
 }
 _PRECISION_NAMES = {dtype: name for name, dtype in TABLE_DTYPES.items()}
+# The int8 rows' per-row (scale, bias), fp32 (R, 2): value = code * scale + bias, as in
+# FBGEMM's row-wise 8-bit format (codes 0..255, bias the row's minimum).
+SCALE_BIAS = "scale_bias"
+INT8_LEVELS = 255
 
 # SplitMix64 (Steele et al., 2014) constants: the golden-ratio increment and the two
 # multipliers of its finaliser. Counter-based: any (key, counter) maps to 64 bits
@@ -120,11 +131,57 @@ def init_rows(
     Returns:
         (ceil((N - rank) / W), D) `dtype`: the rank's rows in local order.
     """
+    local = torch.empty(
+        (_local_rows(sum(table_sizes), rank, world_size), embedding_dim), dtype=dtype
+    )
+    out = local.numpy() if dtype == torch.float32 else None
+    for span, values in _init_chunks(
+        table_sizes, embedding_dim, seed, rank, world_size, None if out is None else out
+    ):
+        if out is None:
+            local[span] = torch.from_numpy(values)  # rounded to nearest
+    return local
+
+
+def init_table(
+    table_sizes: list[int],
+    embedding_dim: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    precision: TablePrecision = "fp32",
+) -> dict[str, torch.Tensor]:
+    """`init_rows` stored at `precision`: {"weight"} and, for int8, {SCALE_BIAS}.
+
+    int8 rows are quantized chunk by chunk (`quantize_int8`, to nearest), bitwise
+    `quantize_int8(init_rows(...))` without ever holding the fp32 table.
+    """
+    if precision != "int8":
+        return {
+            "weight": init_rows(
+                table_sizes, embedding_dim, seed, rank, world_size, TABLE_DTYPES[precision]
+            )
+        }
+    rows = _local_rows(sum(table_sizes), rank, world_size)
+    codes = torch.empty((rows, embedding_dim), dtype=torch.uint8)
+    scale_bias = torch.empty((rows, 2), dtype=torch.float32)
+    for span, values in _init_chunks(table_sizes, embedding_dim, seed, rank, world_size):
+        codes[span], scale_bias[span] = quantize_int8(torch.from_numpy(values))
+    return {"weight": codes, SCALE_BIAS: scale_bias}
+
+
+def _init_chunks(
+    table_sizes: list[int],
+    embedding_dim: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    out: np.ndarray | None = None,
+) -> Iterator[tuple[slice, np.ndarray]]:
+    """`init_rows`' chunks: (local rows, fp32 values), written into `out` when given."""
     offsets = table_offsets(table_sizes)
     num_rows = int(offsets[-1])
     feature_bound = np.array([1.0 / n**0.5 for n in table_sizes], dtype=np.float32)
-    local = torch.empty((_local_rows(num_rows, rank, world_size), embedding_dim), dtype=dtype)
-    out = local.numpy() if dtype == torch.float32 else None
     ends = offsets[1:].numpy()
     entropy = seed % 2**64  # SeedSequence takes non-negative ints
     for chunk, start in enumerate(range(0, num_rows, INIT_CHUNK_ROWS)):
@@ -140,9 +197,7 @@ def init_rows(
         np.multiply(drawn[first - start :: world_size], 2, out=target)
         target -= 1
         target *= feature_bound[np.searchsorted(ends, owned, side="right")][:, None]
-        if out is None:
-            local[span] = torch.from_numpy(target)  # rounded to nearest
-    return local
+        yield span, target
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -218,6 +273,66 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) ->
         up = (scaled - down) * 65536 > bits.reshape(-1).index_select(0, tiny)  # P = fraction
         rounded.view(-1).index_copy_(0, tiny, torch.where(up, down + 1, down) * 2.0**-24)
     return rounded.to(torch.float16)  # exact
+
+
+def quantize_int8(
+    x: torch.Tensor, bits: torch.Tensor | None = None, grid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as 8-bit codes with a per-row (scale, bias): value = code * scale + bias.
+
+    A row's grid spans its values: bias is its minimum and scale (max - min) / 255, so
+    both ends are codes 0 and 255 (FBGEMM's row-wise 8-bit layout). With `grid` (the
+    rows' current scale and bias) a row whose values all still lie inside its grid keeps
+    it, so an update moves a value by a (stochastically rounded) number of grid steps
+    and leaves the codes it did not move; a row with a value outside is re-gridded.
+
+    Args:
+        x: (R, D) float32.
+        bits: (R, D) int32 in [0, 2**16) (`rounding_bits`): round up with the
+            probability of the fraction of a grid step; None rounds to nearest.
+        grid: (R, 2) float32 (scale, bias) to keep where the row fits it.
+
+    Returns:
+        ((R, D) uint8 codes, (R, 2) float32 (scale, bias)); a constant row has scale 0.
+    """
+    lo, hi = x.amin(dim=1), x.amax(dim=1)
+    scale_bias = torch.stack([(hi - lo) / INT8_LEVELS, lo], dim=1)
+    if grid is not None:
+        top = grid[:, 1] + INT8_LEVELS * grid[:, 0]
+        fits = (grid[:, 0] > 0) & (lo >= grid[:, 1]) & (hi <= top)
+        scale_bias = torch.where(fits[:, None], grid, scale_bias)
+    scale, bias = scale_bias[:, :1], scale_bias[:, 1:]
+    steps = (x - bias) / torch.where(scale > 0, scale, 1.0)  # in [0, 255] up to rounding
+    if bits is None:
+        codes = torch.round(steps)
+    else:  # floor(v + u), u uniform in [0, 1): up with probability frac(v)
+        codes = torch.floor(steps.add_(bits.float() * 2.0**-16))
+    return codes.clamp_(0, INT8_LEVELS).to(torch.uint8), scale_bias
+
+
+def decode_rows(weight: torch.Tensor, scale_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(R, D) float32 values of stored rows: fp32 as is, 2-byte rows upcast (exact), int8
+    codes times their row's scale plus its bias (a multiply, then an add: the exported
+    graphs compute the same)."""
+    if scale_bias is None:
+        return weight.float()
+    return weight.float() * scale_bias[:, :1] + scale_bias[:, 1:]
+
+
+def precision_of(state: Mapping[str, torch.Tensor]) -> str:
+    """The table precision of a shard state (`ShardedEmbedding.state_dict()`)."""
+    dtype = state["weight"].dtype
+    if dtype not in _PRECISION_NAMES:
+        raise ValueError(f"embedding rows of dtype {dtype} are of no table precision")
+    return _PRECISION_NAMES[dtype]
+
+
+def encode_rows(values: torch.Tensor, precision: TablePrecision) -> dict[str, torch.Tensor]:
+    """fp32 rows stored at `precision`, rounded to nearest: {"weight"[, SCALE_BIAS]}."""
+    if precision == "int8":
+        codes, scale_bias = quantize_int8(values)
+        return {"weight": codes, SCALE_BIAS: scale_bias}
+    return {"weight": values.to(TABLE_DTYPES[precision])}
 
 
 def clip_row_norms(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -429,8 +544,8 @@ def warm_start_state(
         seed: This run's init seed.
         rank: This rank.
         world_size: This run's world size W.
-        table_precision: This run's; the parent's rows are converted to it (rounded to
-            nearest; fp16 and bf16 upcast to fp32 exactly).
+        table_precision: This run's; the parent's rows are converted to it (decoded to
+            fp32, which is exact, and rounded to nearest).
 
     Returns:
         The state dict for `ShardedEmbedding.load_state_dict` (the parent's step count).
@@ -462,25 +577,28 @@ def warm_start_state(
     keep = (within < torch.tensor(old_sizes)[feature]) & ~torch.isin(rows, reset_global)
     parent_row = old_offsets[feature] + within  # meaningful where keep
 
-    fresh = init_rows(
-        new_sizes, embedding_dim, seed, rank, world_size, TABLE_DTYPES[table_precision]
-    )
-    result: dict[str, torch.Tensor] = {}
+    result = init_table(new_sizes, embedding_dim, seed, rank, world_size, table_precision)
+    rows_of = ("weight", SCALE_BIAS)  # the stored rows; converted, not copied, across precisions
     for name, tensor in shards[0].items():
         if name == "steps":
             result[name] = tensor.clone()
-        elif name == "weight":
-            result[name] = fresh
-        else:
+        elif name not in rows_of:
             result[name] = torch.zeros((len(rows), *tensor.shape[1:]), dtype=tensor.dtype)
+    same = precision_of(shards[0]) == table_precision
     for old_rank, shard in enumerate(shards):
         mine = keep & (parent_row % old_world == old_rank)
         source = parent_row[mine] // old_world
         for name, tensor in shard.items():
-            if name != "steps":
-                # Rounded to nearest where the precisions differ (upcasts are exact).
-                result[name][mine] = tensor[source].to(result[name].dtype)
-    if not bool(torch.isfinite(result["weight"]).all()):
+            if name != "steps" and name not in rows_of:
+                result[name][mine] = tensor[source]
+        if same:  # the stored form itself: a carried row is bitwise the parent's
+            parent = {name: shard[name][source] for name in rows_of if name in shard}
+        else:  # decoded to fp32 (exact) and rounded to nearest at this precision
+            sb = shard[SCALE_BIAS][source] if SCALE_BIAS in shard else None
+            parent = encode_rows(decode_rows(shard["weight"][source], sb), table_precision)
+        for name, tensor in parent.items():
+            result[name][mine] = tensor
+    if not bool(torch.isfinite(decode_rows(result["weight"], result.get(SCALE_BIAS))).all()):
         raise ValueError(
             f"a parent's row does not fit train.table_precision: {table_precision} (beyond "
             "its range); warm-start at bf16 or fp32"
@@ -526,9 +644,9 @@ class ShardedEmbedding:
         weight_decay: L2 penalty added to the gradient of each row it updates.
         max_grad_norm: Largest L2 norm of a row's gradient (`clip_row_norms`), applied
             before the weight decay term; 0 disables.
-        table_precision: How the rows are stored: "fp32", or "fp16" / "bf16" with
-            stochastically rounded updates (see the module docstring); the optimizer
-            state is fp32 in every case.
+        table_precision: How the rows are stored: "fp32", or "fp16" / "bf16" / "int8"
+            with stochastically rounded updates (see the module docstring); the
+            optimizer state is fp32 in every case.
     """
 
     def __init__(
@@ -564,9 +682,10 @@ class ShardedEmbedding:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.seed = seed  # also keys the stochastic rounding of 2-byte rows
         self.table_precision = table_precision
-        self.weight = init_rows(
-            self.table_sizes, embedding_dim, seed, rank, world_size, TABLE_DTYPES[table_precision]
-        )
+        rows = init_table(self.table_sizes, embedding_dim, seed, rank, world_size, table_precision)
+        self.weight = rows["weight"]
+        # int8 rows' (scale, bias) per row; None at the other precisions.
+        self.scale_bias: torch.Tensor | None = rows.get(SCALE_BIAS)
         local = self.weight.shape[0]
         if optimizer == "rowwise_adagrad":
             self.state: dict[str, torch.Tensor] = {"sum_sq": torch.zeros(local)}
@@ -585,6 +704,8 @@ class ShardedEmbedding:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This shard's tensors (rows, optimizer state, admission counts, step)."""
         state = {"weight": self.weight, **self.state, "steps": torch.tensor(self.steps)}
+        if self.scale_bias is not None:
+            state[SCALE_BIAS] = self.scale_bias
         if self.counts is not None:
             state["counts"] = self.counts
         return state
@@ -613,6 +734,8 @@ class ShardedEmbedding:
             )
         with torch.no_grad():
             self.weight.copy_(state["weight"])
+            if self.scale_bias is not None:
+                self.scale_bias.copy_(state[SCALE_BIAS])
             for name in self.state:
                 self.state[name].copy_(state[name])
             if self.counts is not None:
@@ -672,7 +795,7 @@ class ShardedEmbedding:
             recv_counts = received[:, 1] if id_counts is not None else None
             recv_local = recv_ids // self.world_size
 
-        reply = self.weight.index_select(0, recv_local).float()  # (R, D), upcast (exact)
+        reply = self._read_rows(recv_local)  # (R, D) fp32
         if self.counts is not None:
             if recv_counts is not None:
                 self.counts.index_add_(0, recv_local, recv_counts)
@@ -754,7 +877,7 @@ class ShardedEmbedding:
         if self.max_grad_norm:
             summed = clip_row_norms(summed, self.max_grad_norm)
         if self.weight_decay:
-            summed += self.weight_decay * self.weight.index_select(0, rows).float()
+            summed += self.weight_decay * self._read_rows(rows)
         if self.optimizer == "rowwise_adagrad":
             self._rowwise_adagrad(rows, summed)
         else:
@@ -783,19 +906,31 @@ class ShardedEmbedding:
         denom = (exp_avg_sq / correction2).sqrt_().add_(ADAM_EPS)
         self._subtract_rows(rows, (self.lr / correction1) * exp_avg / denom)
 
+    def _read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """(R, D) fp32 values of local rows (upcast, or decoded from int8; exact)."""
+        if self.scale_bias is None:
+            return self.weight.index_select(0, rows).float()
+        return decode_rows(self.weight.index_select(0, rows), self.scale_bias.index_select(0, rows))
+
     def _subtract_rows(self, rows: torch.Tensor, update: torch.Tensor) -> None:
         # weight[rows] -= update for unique rows, as gather, subtract, scatter: CPU's 2-D
         # index_add_ costs ~2.5x more (a slice add per row).
         if self.weight.dtype == torch.float32:
             self.weight.index_copy_(0, rows, self.weight.index_select(0, rows).sub_(update))
             return
-        # 2-byte rows: the new value in fp32, rounded back stochastically with bits of
+        # Compact rows: the new value in fp32, rounded back stochastically with bits of
         # the global rows (local row r of rank k is global row r * W + k).
-        new = self.weight.index_select(0, rows).float().sub_(update)  # (Ru, D)
+        new = self._read_rows(rows).sub_(update)  # (Ru, D)
         bits = rounding_bits(
             self.seed, self.steps, rows * self.world_size + self.rank, self.embedding_dim
         )
-        self.weight.index_copy_(0, rows, stochastic_round(new, self.weight.dtype, bits))
+        if self.scale_bias is None:
+            self.weight.index_copy_(0, rows, stochastic_round(new, self.weight.dtype, bits))
+            return
+        grid = self.scale_bias.index_select(0, rows)
+        codes, scale_bias = quantize_int8(new, bits, grid)
+        self.weight.index_copy_(0, rows, codes)
+        self.scale_bias.index_copy_(0, rows, scale_bias)
 
     # -- collectives ----------------------------------------------------------------------
     def _exchange_counts(self, send_splits: torch.Tensor) -> torch.Tensor:
