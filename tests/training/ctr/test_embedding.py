@@ -14,10 +14,15 @@ from safetensors.torch import load_file, save_file
 
 from training.ctr.embedding import (
     ADAGRAD_EPS,
+    SCALE_BIAS,
     TABLE_DTYPES,
     ShardedEmbedding,
+    decode_rows,
+    encode_rows,
     group_by_owner,
     init_rows,
+    init_table,
+    quantize_int8,
     reshard_state,
     rounding_bits,
     stochastic_round,
@@ -95,7 +100,46 @@ def test_init_is_chunked_independently_of_the_table_end() -> None:
     assert torch.equal(small, large[:70_000])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_an_int8_table_starts_from_the_fp32_rows_quantized_for_any_world_size() -> None:
+    full = init_rows(SIZES, DIM, seed=3)
+    codes, scale_bias = quantize_int8(full)
+    table = init_table(SIZES, DIM, seed=3, precision="int8")
+    assert torch.equal(table["weight"], codes) and torch.equal(table[SCALE_BIAS], scale_bias)
+    for world in (2, 3):
+        shards = [init_table(SIZES, DIM, 3, r, world, "int8") for r in range(world)]
+        assert torch.equal(gather_full_table([s["weight"] for s in shards], 25), codes)
+        assert torch.equal(gather_full_table([s[SCALE_BIAS] for s in shards], 25), scale_bias)
+    # Each row's grid spans it: its minimum and maximum are codes 0 and 255, and every
+    # value is within half a step of its row's fp32 value.
+    assert bool((codes.amin(dim=1) == 0).all() and (codes.amax(dim=1) == 255).all())
+    error = (decode_rows(codes, scale_bias) - full).abs()
+    assert bool((error <= scale_bias[:, :1] * 0.5001).all())
+
+
+def test_quantize_int8_rounds_stochastically_within_a_kept_grid() -> None:
+    n = 40_000
+    grid = torch.tensor([[0.01, -1.0]]).expand(n, 2).contiguous()  # codes 0..255: [-1, 1.55]
+    start = torch.full((n, 2), -1.0)
+    start[:, 1] = 1.55  # both ends of the grid: it fits, and is kept
+    moved = start.clone()
+    moved[:, 0] += 0.0025  # a quarter of a step
+    codes, scale_bias = quantize_int8(moved, _draw_bits(n, 2), grid)
+    assert torch.equal(scale_bias, grid)
+    assert set(codes[:, 0].unique().tolist()) <= {0, 1}
+    assert abs(codes[:, 0].float().mean().item() - 0.25) < 0.01  # unbiased
+    assert bool((codes[:, 1] == 255).all())  # an unmoved value keeps its code
+    # A value that leaves the grid re-grids its row on its new minimum and maximum.
+    out = start[:1].clone()
+    out[0, 0] = -2.0
+    codes, scale_bias = quantize_int8(out, _draw_bits(1, 2), grid[:1])
+    torch.testing.assert_close(scale_bias[0], torch.tensor([3.55 / 255, -2.0]))
+    assert codes.tolist() == [[0, 255]]
+    # A constant row has scale 0 and decodes to its value exactly.
+    codes, scale_bias = quantize_int8(torch.full((1, 3), 0.3))
+    assert torch.equal(decode_rows(codes, scale_bias), torch.full((1, 3), 0.3))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "int8"])
 def test_rowwise_adagrad_matches_the_formula_and_touches_only_batch_rows(precision: str) -> None:
     store = ShardedEmbedding(
         SIZES, DIM, "rowwise_adagrad", lr=0.1, seed=0, table_precision=precision
@@ -103,22 +147,28 @@ def test_rowwise_adagrad_matches_the_formula_and_touches_only_batch_rows(precisi
     before = store.weight.clone()
     assert before.dtype == TABLE_DTYPES[precision]
     assert store.state["sum_sq"].dtype == torch.float32
+    grid = store.scale_bias.clone() if store.scale_bias is not None else None
+    values = decode_rows(before, grid)
     ids = torch.tensor([3, 3, 10, 24])
     rows, inverse, context = store.lookup(ids)
     assert torch.equal(context.unique_ids, torch.tensor([3, 10, 24]))
-    assert rows.dtype == torch.float32  # the lookup upcasts
-    assert torch.equal(rows.detach(), before[[3, 10, 24]].float())
+    assert rows.dtype == torch.float32  # the lookup upcasts (decodes int8)
+    assert torch.equal(rows.detach(), values[[3, 10, 24]])
     (rows[inverse] * torch.arange(4.0)[:, None]).sum().backward()
     grad = rows.grad.clone()  # rows 3: 0 + 1, 10: 2, 24: 3 (times ones)
     store.accumulate_gradients(rows.grad, context)
     assert store.step() == 3
     for row, g in zip([3, 10, 24], grad, strict=True):
         sum_sq = g.pow(2).mean()
-        expected = before[row].float() - 0.1 * g / (sum_sq.sqrt() + ADAGRAD_EPS)
+        expected = values[row] - 0.1 * g / (sum_sq.sqrt() + ADAGRAD_EPS)
+        bits = rounding_bits(0, 1, torch.tensor([row]), DIM)  # (seed 0, step 1, row)
         if precision == "fp32":
             torch.testing.assert_close(store.weight[row], expected)
-        else:  # the fp32 update, rounded with the bits of (seed 0, step 1, row)
-            bits = rounding_bits(0, 1, torch.tensor([row]), DIM)
+        elif precision == "int8":  # the fp32 update, quantized on the row's grid
+            codes, scale_bias = quantize_int8(expected[None], bits, grid[row : row + 1])
+            assert torch.equal(store.weight[row], codes[0])
+            assert torch.equal(store.scale_bias[row], scale_bias[0])
+        else:  # the fp32 update, rounded with those bits
             rounded = stochastic_round(expected[None], store.weight.dtype, bits)[0]
             assert torch.equal(store.weight[row], rounded)
         assert store.state["sum_sq"][row] == pytest.approx(float(sum_sq))
@@ -204,6 +254,7 @@ def _rank_main(
         # 2-byte rows: the rounding bits follow the global row, not the rank.
         ("lazy_adam", 0, 0.0, "fp16"),
         ("rowwise_adagrad", 2, 0.0, "bf16"),
+        ("rowwise_adagrad", 0, 0.0, "int8"),
     ],
 )
 def test_two_ranks_equal_one_process(
@@ -235,7 +286,8 @@ def test_two_ranks_equal_one_process(
     )  # fmt: skip
     _train(reference, _global_batches(steps=6, batch=8), 0, 1)
     dtype = TABLE_DTYPES[precision]
-    assert not torch.equal(reference.weight, init_rows(SIZES, DIM, seed=1, dtype=dtype))
+    initial = init_table(SIZES, DIM, 1, precision=precision)["weight"]
+    assert not torch.equal(reference.weight, initial)
     if grad_clip:
         unclipped = ShardedEmbedding(SIZES, DIM, optimizer, lr=0.05, seed=1)
         _train(unclipped, _global_batches(steps=6, batch=8), 0, 1)
@@ -247,9 +299,14 @@ def test_two_ranks_equal_one_process(
     # now and then (by one unit in the last place); bits keyed by the local row, or by
     # the rank, would change most of the updated elements.
     assert two_ranks.dtype == dtype
-    updated = reference.weight != init_rows(SIZES, DIM, seed=1, dtype=dtype)
+    updated = reference.weight != initial
     same = two_ranks == reference.weight
     assert int((updated & same).sum()) >= 0.95 * int(updated.sum())
+    if precision == "int8":  # a code is one grid step; the grids agree to the last bits
+        grids = gather_full_table([s[SCALE_BIAS] for s in shards], sum(SIZES))
+        torch.testing.assert_close(grids, reference.scale_bias, rtol=1e-5, atol=1e-7)
+        assert bool(((two_ranks.int() - reference.weight.int()).abs() <= 1).all())
+        return
     steps = (two_ranks.float() - reference.weight.float()).abs()
     ulp = reference.weight.float().abs().clamp(min=2.0**-14) * torch.finfo(dtype).eps
     assert bool((steps <= ulp * 1.01).all())
@@ -549,8 +606,8 @@ def test_stochastic_round_refuses_fp32() -> None:
         stochastic_round(torch.zeros(1, 1), torch.float32, torch.zeros(1, 1, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_a_resumed_half_table_is_bitwise_the_uninterrupted_one(
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "int8"])
+def test_a_resumed_compact_table_is_bitwise_the_uninterrupted_one(
     tmp_path: Path, precision: str
 ) -> None:
     batches = _global_batches(steps=6, batch=8)
@@ -572,10 +629,15 @@ def test_a_resumed_half_table_is_bitwise_the_uninterrupted_one(
     for name, tensor in straight.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], tensor), name
     assert straight.state["exp_avg"].dtype == torch.float32  # the state stays fp32
-    # Checkpoints are stored at table precision: the rows take half the bytes.
+    # Checkpoints are stored at table precision: the rows take half the bytes, int8 a
+    # quarter plus 8 bytes a row.
     fp32 = ShardedEmbedding(SIZES, DIM, "lazy_adam", lr=0.05, seed=4)
-    half_bytes = straight.weight.numel() * straight.weight.element_size()
-    assert half_bytes * 2 == fp32.weight.numel() * fp32.weight.element_size()
+    row_bytes = sum(
+        straight.state_dict()[name].nbytes for name in ("weight", SCALE_BIAS) if name in
+        straight.state_dict()
+    )  # fmt: skip
+    expected = {"fp16": 2 * DIM, "bf16": 2 * DIM, "int8": DIM + 8}[precision] * sum(SIZES)
+    assert row_bytes == expected and fp32.weight.nbytes == 4 * DIM * sum(SIZES)
     # A resume does not convert: rows of another precision are refused, naming both.
     with pytest.raises(ValueError, match=f"rows are {precision} but .*table_precision is fp32"):
         fp32.load_state_dict(
@@ -583,19 +645,24 @@ def test_a_resumed_half_table_is_bitwise_the_uninterrupted_one(
         )
 
 
-def test_reshard_state_keeps_the_table_precision() -> None:
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_reshard_state_keeps_the_table_precision(precision: str) -> None:
     shards = [
-        ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", 0.1, 0, 3, r, 2, table_precision="bf16")
+        ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", 0.1, 0, 3, r, 2, table_precision=precision)
         for r in range(2)
     ]
     moved = reshard_state([s.state_dict() for s in shards], sum(SIZES), 0, 1)
-    assert moved["weight"].dtype == torch.bfloat16 and moved["sum_sq"].dtype == torch.float32
-    assert torch.equal(moved["weight"], init_rows(SIZES, DIM, 3, dtype=torch.bfloat16))
+    assert moved["weight"].dtype == TABLE_DTYPES[precision]
+    assert moved["sum_sq"].dtype == torch.float32
+    for name, tensor in init_table(SIZES, DIM, 3, precision=precision).items():
+        assert torch.equal(moved[name], tensor), name  # int8 rows move with their grid
 
 
 @pytest.mark.parametrize(
-    ("parent", "child"), [("fp32", "bf16"), ("fp16", "fp32"), ("bf16", "fp16")]
-)
+    ("parent", "child"),
+    [("fp32", "bf16"), ("fp16", "fp32"), ("bf16", "fp16"), ("fp32", "int8"), ("int8", "fp16"),
+     ("int8", "int8")],
+)  # fmt: skip
 def test_warm_start_converts_the_parent_rows_to_this_precision(parent: str, child: str) -> None:
     old_sizes, new_sizes, reset = [4, 3], [6, 3], [[1], []]
     generator = torch.Generator().manual_seed(1)
@@ -605,17 +672,26 @@ def test_warm_start_converts_the_parent_rows_to_this_precision(parent: str, chil
             old_sizes, DIM, "rowwise_adagrad", 0.1, seed=3, rank=rank, world_size=2,
             table_precision=parent,
         )  # fmt: skip
-        store.weight.copy_(torch.randn(store.weight.shape, generator=generator))
+        stored = encode_rows(torch.randn(store.weight.shape, generator=generator), parent)
+        for name, tensor in stored.items():
+            store.state_dict()[name].copy_(tensor)
         shards.append({k: v.clone() for k, v in store.state_dict().items()})
-    parent_rows = gather_full_table([s["weight"] for s in shards], 7)
+    parent_table = {
+        name: gather_full_table([s[name] for s in shards], 7) for name in stored
+    }  # the parent's stored rows, in global order
+    parent_rows = decode_rows(parent_table["weight"], parent_table.get(SCALE_BIAS))
     state = warm_start_state(shards, old_sizes, new_sizes, reset, DIM, 5, 0, 1, child)
-    dtype = TABLE_DTYPES[child]
-    assert state["weight"].dtype == dtype and state["sum_sq"].dtype == torch.float32
-    fresh = init_rows(new_sizes, DIM, 5, dtype=dtype)
-    for new_row, old_row in {0: 0, 2: 2, 3: 3, 6: 4, 7: 5, 8: 6}.items():
-        assert torch.equal(state["weight"][new_row], parent_rows[old_row].to(dtype))
-    for new_row in (1, 4, 5):
-        assert torch.equal(state["weight"][new_row], fresh[new_row])
+    assert state["weight"].dtype == TABLE_DTYPES[child] and state["sum_sq"].dtype == torch.float32
+    fresh = init_table(new_sizes, DIM, 5, precision=child)
+    carried = {0: 0, 2: 2, 3: 3, 6: 4, 7: 5, 8: 6}  # new row: parent row
+    if parent == child:  # the stored form itself
+        converted = {name: tensor[list(carried.values())] for name, tensor in parent_table.items()}
+    else:  # decoded to fp32 (exact), rounded to nearest at this precision
+        converted = encode_rows(parent_rows[list(carried.values())], child)
+    assert set(state) >= set(fresh)
+    for name in fresh:
+        assert torch.equal(state[name][list(carried)], converted[name]), name
+        assert torch.equal(state[name][[1, 4, 5]], fresh[name][[1, 4, 5]]), name
     ShardedEmbedding(new_sizes, DIM, "rowwise_adagrad", 0.1, table_precision=child).load_state_dict(
         state
     )
