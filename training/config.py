@@ -159,13 +159,16 @@ class SequenceModelConfig(BaseModel):
     )
 
 
-def check_pipeline_config(world_size: int, num_stages: int, zero_stage: int) -> None:
+def check_pipeline_config(
+    world_size: int, num_stages: int, zero_stage: int | Literal["auto"]
+) -> None:
     """Refuse a pipeline layout DeepSpeed cannot run.
 
     Args:
         world_size: Ranks launched.
         num_stages: Pipeline stages; world_size / num_stages is the data-parallel degree.
-        zero_stage: ZeRO stage of the DeepSpeed config.
+        zero_stage: ZeRO stage of the DeepSpeed config; "auto" passes (the train stage
+            then picks 0 or 1, `TrainConfig.zero_stages`).
 
     Raises:
         ConfigError: num_stages < 1, num_stages does not divide world_size, or ZeRO
@@ -182,11 +185,11 @@ def check_pipeline_config(world_size: int, num_stages: int, zero_stage: int) -> 
             f"{world_size}: every data-parallel replica needs all stages; choose a "
             "world_size that is a multiple of pipeline_stages"
         )
-    if zero_stage not in (0, 1):
+    if zero_stage not in (0, 1, "auto"):
         raise ConfigError(
             f"train.zero_stage={zero_stage} with train.pipeline_stages={num_stages}: "
             "DeepSpeed pipeline parallelism supports ZeRO stage 0 or 1 only; set "
-            "zero_stage to 0 or 1"
+            "zero_stage to 0, 1 or auto"
         )
 
 
@@ -319,7 +322,16 @@ class TrainConfig(BaseModel):
         "<= this value, row by row, before the sparse weight decay and the row-wise "
         "optimizer (training.ctr.embedding.clip_row_norms).",
     )
-    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
+    zero_stage: Literal[0, 1, 2, 3, "auto"] = Field(
+        "auto",
+        description="DeepSpeed ZeRO stage of the dense side. 'auto': the train stage picks, "
+        "before launch, the lowest stage whose memory plan fits the per-rank budget "
+        "(`TrainConfig.zero_stages` lists the stages it may pick) and logs why. The lowest "
+        "is the fastest: the CTR step ran at 1.10x TorchRec's speed under ZeRO 0 and "
+        "0.78-0.96x under ZeRO 2 (dense phase 9.1 vs 12.8 ms, 2-rank optimizer phase 7.7 vs "
+        "14.9 ms), as ZeRO 1-3 add partitioned optimizer steps and collectives. The "
+        "resolved stage is what the ranks, train_config.json, a resume and a warm start see.",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
         description="Training precision of the dense side (fp16 uses loss scaling). The "
@@ -607,7 +619,8 @@ class TrainConfig(BaseModel):
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError(
                 "train.offload_optimizer needs train.zero_stage >= 1 (ZeRO-Offload partitions "
-                "the optimizer state); set zero_stage: 1, 2 or 3, or offload_optimizer: false"
+                "the optimizer state); set zero_stage: 1, 2, 3 or auto, or "
+                "offload_optimizer: false"
             )
         if self.table_precision != "fp32" and self.embeddings == "dense":
             raise ValueError(
@@ -841,6 +854,20 @@ class TrainConfig(BaseModel):
         """Data-parallel replicas: world_size / pipeline_stages (1 stage: every rank)."""
         ranks = self.world_size if world_size is None else world_size
         return ranks // self.pipeline_stages
+
+    def zero_stages(self) -> tuple[int, ...]:
+        """The ZeRO stages this config may train with, fastest first.
+
+        An explicit `zero_stage` is the only one. 'auto' leaves the train stage's planner
+        to pick the first that fits the memory budget: the sequence models' pipeline
+        engine runs ZeRO 0 or 1 only; offload_optimizer needs a partitioned optimizer
+        (1 or more); the CTR models may take any of 0-3.
+        """
+        if self.zero_stage != "auto":
+            return (self.zero_stage,)
+        if self.model in SEQUENCE_MODELS:
+            return (0, 1)
+        return (1, 2, 3) if self.offload_optimizer else (0, 1, 2, 3)
 
     def global_batch_size(self, world_size: int | None = None) -> int:
         """Samples per optimizer step over all ranks.

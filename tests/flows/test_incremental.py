@@ -31,6 +31,9 @@ def chain(raw: Path) -> list[str]:
         "train.init=champion",
         "preprocess.ttl=2",
         "preprocess.min_count=1",
+        # Pinned (tiny.yaml says auto, which picks 0 here): the chain carries day 1's
+        # partitioned ZeRO-2 optimizer state onto 2 ranks as a universal checkpoint.
+        "train.zero_stage=2",
         ANY,
     ]
 

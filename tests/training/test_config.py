@@ -117,7 +117,10 @@ def test_config_module_imports_without_torch() -> None:
     [
         ({"data_streams": 3}, ["train.data_streams=3", "train.world_size=2"]),
         ({"data_streams": 4, "batch_size": 3}, ["train.data_streams=4", "batch_size"]),
-        ({"offload_optimizer": True}, ["train.offload_optimizer", "zero_stage"]),
+        (
+            {"offload_optimizer": True, "zero_stage": 0},
+            ["train.offload_optimizer", "zero_stage: 1, 2, 3 or auto"],
+        ),
         ({"loss_scale": 128.0}, ["train.loss_scale", "precision: fp16"]),
         (
             {"table_precision": "bf16", "embeddings": "dense"},
@@ -129,6 +132,22 @@ def test_inconsistent_settings_name_the_fields_to_change(override: dict, names: 
     with pytest.raises(ValidationError) as error:
         TrainConfig(**override)
     assert all(name in str(error.value) for name in names)
+
+
+def test_zero_stage_is_auto_by_default_and_lists_the_stages_it_may_pick() -> None:
+    assert TrainConfig().zero_stage == "auto"
+    assert TrainConfig.model_validate({"zero_stage": "auto"}).zero_stage == "auto"
+    assert TrainConfig().zero_stages() == (0, 1, 2, 3)  # the fastest first
+    assert TrainConfig(zero_stage=2).zero_stages() == (2,)
+    # offload_optimizer needs a partitioned optimizer: auto starts at 1.
+    assert TrainConfig(offload_optimizer=True).zero_stages() == (1, 2, 3)
+    # The pipeline engine runs ZeRO 0 or 1: auto passes its check and picks from those.
+    sasrec = TrainConfig(model="sasrec", pipeline_stages=2, world_size=2)
+    assert sasrec.zero_stage == "auto" and sasrec.zero_stages() == (0, 1)
+    with pytest.raises(ValidationError, match="ZeRO stage 0 or 1 only; set zero_stage to 0, 1"):
+        TrainConfig(model="sasrec", pipeline_stages=2, world_size=2, zero_stage=2)
+    with pytest.raises(ValidationError, match="zero_stage"):
+        TrainConfig(zero_stage="fastest")
 
 
 def test_data_streams_default_to_the_world_size() -> None:

@@ -10,11 +10,12 @@ features. Every figure is for the worst rank, rank 0: it holds ceil(N / W) embed
 rows (row g lives on rank g % W), the largest ZeRO partition, and the consolidation.
 
 - "sharded" embeddings: one fused table of N x D, row-wise sharded, at
-  train.table_precision (4 bytes a value at fp32, 2 at fp16 and bf16), plus a
+  train.table_precision (`TABLE_BYTES`: 4 bytes a value at fp32, 2 at fp16 and bf16,
+  1 at int8, whose rows also keep an fp32 (scale, bias) each: `ROW_BYTES`), plus a
   replicated F x D fp32 table of per-feature default rows (the rows of ids not admitted
   yet); both are trained by the sparse optimizer, whose state per row is 1 fp32
   (rowwise_adagrad) or 2 * D fp32 (lazy_adam: m and v) at every table precision.
-  Frequency admission (admission_min_count >= 2) keeps an int32 counter per local row.
+  Frequency admission (admission_min_count >= 2) keeps an int64 counter per local row.
   At the end every rank streams its share of the table into model.safetensors, upcast
   to fp32 (`training.runtime.consolidate`): one chunk read and one written,
   2 x min(N x D fp32, CHUNK_BYTES) more, not the table.
@@ -31,13 +32,20 @@ rows (row g lives on rank g % W), the largest ZeRO partition, and the consolidat
   streams each parameter from the partitions in chunks, min(P fp32, CHUNK_BYTES) more.
 - Activations: forward tensors per sample times ACTIVATION_SAFETY_FACTOR, plus, for
   sharded embeddings, the unique rows gathered per step and their gradients (fp32), and
-  for a 2-byte table the fp32 working copy and the random bits of its rounded update.
+  for a 2-byte or int8 table the fp32 working copy and the random bits of its rounded
+  update (int8 also reads and writes the rows' (R, 2) fp32 grid).
 - Reader: the prefetched batches and the batch in use. Runtime: RUNTIME_BYTES.
+
+train.zero_stage: auto is resolved here too (`choose_zero_stage`): the lowest stage of
+`TrainConfig.zero_stages` whose plan fits the budget, as ZeRO 0 runs the CTR step
+fastest. `rows_that_fit` turns the plan around: how many rows of a dim fit a budget at
+each table precision, for the plan's report and for sizing a table before a run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 from artifacts.errors import ConfigError
 from training.config import TrainConfig
@@ -45,12 +53,12 @@ from training.runtime.memory import (
     CHUNK_BYTES,
     COMPONENTS,
     FP32_BYTES,
-    INT32_BYTES,
     INT64_BYTES,
     RUNTIME_BYTES,
     MemoryPlan,
     human_bytes,
     largest,
+    machine_memory_bytes,
     smallest,
 )
 
@@ -65,9 +73,14 @@ ACTIVATION_SAFETY_FACTOR = 3
 GATHER_COPIES = 4
 
 
-# A 2-byte table's update per step: the updated rows in fp32 and their int32 rounding
-# bits (`ShardedEmbedding._subtract_rows`).
+# A 2-byte or int8 table's update per step: the updated rows in fp32 and their int32
+# rounding bits (`ShardedEmbedding._subtract_rows`).
 ROUNDING_COPIES = 2
+
+
+# An int8 table's update also handles the updated rows' (R, 2) fp32 grid twice: the
+# current (scale, bias) it keeps where the row still fits, and the new one.
+GRID_COPIES = 2
 
 
 # The world_size suggestion looks no further than this many ranks.
@@ -78,8 +91,23 @@ MAX_SUGGESTED_WORLD_SIZE = 4096
 _DENSE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 
 
+# The parts of a plan that the ZeRO stage partitions.
+_DENSE_PARTS = ("dense_params", "dense_grads", "dense_optimizer")
+
+
 # Bytes per value of the sharded table's rows, by train.table_precision.
-TABLE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+TABLE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+
+
+# Bytes per row beside the values: int8 rows keep an fp32 (scale, bias) each.
+ROW_BYTES = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 2 * FP32_BYTES}
+
+
+TablePrecision = Literal["fp32", "fp16", "bf16", "int8"]
+
+
+# The table precisions, widest first (the order of `rows_that_fit`'s answer).
+PRECISION_ORDER: tuple[TablePrecision, ...] = ("fp32", "bf16", "fp16", "int8")
 
 
 _ACCELERATORS = ("cpu", "cuda")
@@ -115,8 +143,14 @@ def plan_memory(
 
     Raises:
         ValueError: An argument is out of range (no tables, a size < 1, world_size < 1,
-            an unknown accelerator, or feature_names of the wrong length).
+            an unknown accelerator, or feature_names of the wrong length), or
+            config.zero_stage is still "auto" (`choose_zero_stage` resolves it).
     """
+    if config.zero_stage == "auto":
+        raise ValueError(
+            "train.zero_stage is 'auto': plan one stage at a time (choose_zero_stage "
+            "resolves it against the budget)"
+        )
     if accelerator not in _ACCELERATORS:
         raise ValueError(f"accelerator must be one of {_ACCELERATORS}, got {accelerator!r}")
     if world_size < 1:
@@ -143,12 +177,15 @@ def plan_memory(
         held_rows = local_rows + features  # plus the replicated default rows
         state_per_row = 1 if config.sparse_optimizer == "rowwise_adagrad" else 2 * dim
         # The table's rows at their precision; the default rows are fp32 parameters.
+        precision = config.table_precision
         per_rank["embeddings"] = (
-            local_rows * dim * TABLE_BYTES[config.table_precision] + features * dim * FP32_BYTES
+            local_rows * (dim * TABLE_BYTES[precision] + ROW_BYTES[precision])
+            + features * dim * FP32_BYTES
         )
         per_rank["sparse_optimizer"] = held_rows * state_per_row * FP32_BYTES
         if config.admission_min_count >= 2:
-            per_rank["admission"] = local_rows * INT32_BYTES
+            # `ShardedEmbedding.counts` is int64.
+            per_rank["admission"] = local_rows * INT64_BYTES
         per_rank["consolidation"] = 2 * min(rows * dim * FP32_BYTES, CHUNK_BYTES)
         dense_params = num_dense_params
     else:
@@ -174,6 +211,8 @@ def plan_memory(
         per_rank["activations"] += unique_rows * dim * FP32_BYTES * GATHER_COPIES
         if config.table_precision != "fp32":
             per_rank["activations"] += unique_rows * dim * FP32_BYTES * ROUNDING_COPIES
+        if config.table_precision == "int8":
+            per_rank["activations"] += unique_rows * 2 * FP32_BYTES * GRID_COPIES
     num_labels = len(config.tasks) if config.tasks else 1
     batch_bytes = config.batch_size * (
         features * INT64_BYTES + num_dense_features * FP32_BYTES + num_labels * FP32_BYTES
@@ -239,7 +278,8 @@ def check_memory(
     The message gives the need and the budget (and where it came from), the largest
     components and the single changes that would make the plan fit, each re-planned:
     a world_size, an embedding_dim, a row cap on the largest features, rowwise_adagrad,
-    sharded embeddings, 2-byte table rows, a higher ZeRO stage or offload_optimizer.
+    sharded embeddings, narrower table rows (the widest precision that fits: bf16/fp16,
+    else int8), a higher ZeRO stage or offload_optimizer.
 
     Args:
         plan: The plan from `plan_memory` for `config`.
@@ -380,12 +420,8 @@ def _suggestions(
 
     if config.embeddings == "sharded" and config.sparse_optimizer == "lazy_adam":
         offer("train.sparse_optimizer: rowwise_adagrad", replan(sparse_optimizer="rowwise_adagrad"))
-    if config.embeddings == "sharded" and config.table_precision == "fp32":
-        offer(
-            "train.table_precision: bf16 (or fp16): 2-byte rows with stochastic rounding, "
-            "the optimizer state stays fp32",
-            replan(table_precision="bf16"),
-        )
+    if config.embeddings == "sharded":
+        _offer_table_precision(config, budget, replan, offer)
     if config.embeddings == "dense":
         offer("train.embeddings: sharded", replan(embeddings="sharded"))
 
@@ -410,6 +446,219 @@ def _suggestions(
     elif dense_plans:
         offer(*min(dense_plans, key=lambda option: option[1].total))
     return fits, partial
+
+
+# What a refusal says of the narrower table precisions it offers: one of each width
+# (fp16 takes bf16's bytes; bf16 is named first, as it needs no loss scale).
+_PRECISION_TEXT: dict[TablePrecision, str] = {
+    "bf16": "train.table_precision: bf16 (or fp16): 2-byte rows with stochastic rounding, "
+    "the optimizer state stays fp32",
+    "int8": "train.table_precision: int8: 1-byte codes and a per-row fp32 scale and bias, "
+    "stochastically rounded updates, the optimizer state stays fp32",
+}
+
+
+def _offer_table_precision(
+    config: TrainConfig,
+    budget: int,
+    replan: Callable[..., MemoryPlan],
+    offer: Callable[[str, MemoryPlan], None],
+) -> None:
+    """Offer the widest narrower table precision that fits, else the narrowest.
+
+    Narrower rows lose precision, so the refusal names the widest that is enough: from
+    fp32, bf16 (or fp16) when 2-byte rows fit and int8 when only 1-byte rows do; from
+    fp16 or bf16, int8. When none fits alone, the narrowest is offered as a reduction
+    to combine with other changes.
+    """
+    width = TABLE_BYTES[config.table_precision]
+    plans = [
+        (name, replan(table_precision=name))
+        for name in _PRECISION_TEXT
+        if TABLE_BYTES[name] < width
+    ]
+    if not plans:
+        return
+    fitting = [(name, new) for name, new in plans if new.total <= budget]
+    name, new = fitting[0] if fitting else plans[-1]
+    offer(_PRECISION_TEXT[name], new)
+
+
+def choose_zero_stage(
+    config: TrainConfig,
+    table_sizes: list[int],
+    num_dense_features: int,
+    num_dense_params: int,
+    world_size: int,
+    accelerator: str = "cpu",
+    budget: tuple[int, str] | None = None,
+) -> tuple[int, str]:
+    """Resolve train.zero_stage: auto: the lowest stage whose plan fits the budget.
+
+    ZeRO 0 is preferred whenever it fits: measured on the CTR engine, ZeRO 2 ran the
+    step at 0.78-0.96x TorchRec's speed and ZeRO 0 at 1.10x (dense phase 12.8 vs 9.1 ms,
+    2-rank optimizer phase 14.9 vs 7.7 ms), since ZeRO 1-3 partition the optimizer step
+    and add collectives. A higher stage is taken only when the dense state does not fit
+    otherwise. When no stage fits, the one with the smallest plan is returned, so that
+    `check_memory` refuses it with the changes that would fit at that stage.
+
+    Args:
+        config: The train section; an explicit zero_stage is returned as it is.
+        table_sizes: Rows of each sparse feature's table (as `plan_memory`).
+        num_dense_features: Dense input features.
+        num_dense_params: Dense parameters, without embedding tables.
+        world_size: Ranks W.
+        accelerator: "cpu" or "cuda".
+        budget: (bytes per rank, where the figure comes from), or None when there is no
+            budget to plan against (the fastest stage is taken then).
+
+    Returns:
+        (the stage, one line that says why, for the train stage's log).
+    """
+    stages = config.zero_stages()
+    if config.zero_stage != "auto":
+        return stages[0], f"train.zero_stage: {stages[0]} (set in the config)"
+    plans = {
+        stage: plan_memory(
+            config.model_copy(update={"zero_stage": stage}),
+            table_sizes,
+            num_dense_features,
+            num_dense_params,
+            world_size,
+            accelerator,
+        )
+        for stage in stages
+    }
+    first = plans[stages[0]]
+    dense = sum(first.per_rank[name] for name in _DENSE_PARTS)
+    at_first = (
+        f"at ZeRO {stages[0]} the dense state (params, grads, AdamW) needs "
+        f"{human_bytes(dense)} per rank and the whole plan {human_bytes(first.total)}"
+    )
+    if budget is None:
+        return stages[0], (
+            f"train.zero_stage: auto -> {stages[0]}, the fastest: {at_first}; no memory "
+            "budget to plan against (set train.memory_per_rank_gb to plan one)"
+        )
+    limit, source = budget
+    within = f"the budget of {human_bytes(limit)} per rank (from {source})"
+    fitting = [stage for stage in stages if plans[stage].total <= limit]
+    if fitting and fitting[0] == stages[0]:
+        line = f"train.zero_stage: auto -> {stages[0]}, the fastest: {at_first}, within {within}"
+        return stages[0], line
+    if fitting:
+        stage = fitting[0]
+        return stage, (
+            f"train.zero_stage: auto -> {stage}: {at_first}, over {within}; partitioned by "
+            f"ZeRO {stage} over {world_size} ranks the plan needs "
+            f"{human_bytes(plans[stage].total)}"
+        )
+    stage = min(stages, key=lambda s: (plans[s].total, s))
+    return stage, (
+        f"train.zero_stage: auto -> {stage}: no stage fits {within} ({at_first}); ZeRO "
+        f"{stage} needs the least, {human_bytes(plans[stage].total)}"
+    )
+
+
+def rows_that_fit(
+    config: TrainConfig,
+    budget_bytes: int | None = None,
+    embedding_dim: int | None = None,
+    *,
+    num_tables: int = 1,
+    num_dense_features: int = 0,
+    num_dense_params: int = 0,
+    world_size: int = 1,
+    accelerator: str = "cpu",
+) -> dict[TablePrecision, int]:
+    """How many embedding rows of one dim fit a memory budget, at each table precision.
+
+    The plan turned around: the largest N (rows over all tables, split evenly over
+    `num_tables` tables) whose worst-rank plan, `plan_memory` with the config's other
+    settings (sparse optimizer, admission, batch, MLPs, ZeRO, runtime), fits
+    `budget_bytes`; so it is a prediction of the rank's resident memory, table plus
+    optimizer state plus activations, reader and runtime, not of the table alone.
+    With train.zero_stage: auto the best stage of `TrainConfig.zero_stages` counts,
+    as the train stage would pick it.
+
+    Args:
+        config: The train section; its embeddings are taken as "sharded" (the table
+            precision applies to those only).
+        budget_bytes: Memory of one rank. Default: this machine's whole memory
+            (`machine_memory_bytes`, one process); the train stage's own budget is a
+            share of it (`training.stages.memory_budget`).
+        embedding_dim: D; default config.embedding_dim (with 'dot', bottom_mlp's last
+            layer follows it).
+        num_tables: Sparse features F the rows are split over.
+        num_dense_features: Dense input features.
+        num_dense_params: Dense parameters (the model's MLPs; 0 counts none).
+        world_size: Ranks W sharing the rows (each with `budget_bytes`).
+        accelerator: "cpu" or "cuda".
+
+    Returns:
+        {precision: rows} for fp32, bf16, fp16 and int8; 0 where not even one row per
+        table fits.
+
+    Raises:
+        ValueError: num_tables, world_size or embedding_dim < 1.
+        ConfigError: budget_bytes is None and this machine does not report its memory.
+    """
+    if num_tables < 1 or world_size < 1:
+        raise ValueError(f"num_tables ({num_tables}) and world_size ({world_size}) must be >= 1")
+    dim = config.embedding_dim if embedding_dim is None else embedding_dim
+    if dim < 1:
+        raise ValueError(f"embedding_dim must be >= 1, got {dim}")
+    budget = machine_memory_bytes() if budget_bytes is None else budget_bytes
+    update: dict[str, object] = {"embeddings": "sharded", "embedding_dim": dim}
+    if config.interaction == "dot":
+        update["bottom_mlp"] = [*config.bottom_mlp[:-1], dim]
+
+    def sizes(rows: int) -> list[int]:
+        share, extra = divmod(rows, num_tables)
+        return [share + (table < extra) for table in range(num_tables)]
+
+    fit: dict[TablePrecision, int] = {}
+    for precision in PRECISION_ORDER:
+        best = 0
+        for stage in config.zero_stages():
+            planned = config.model_copy(
+                update={**update, "table_precision": precision, "zero_stage": stage}
+            )
+
+            def ok(rows: int, planned: TrainConfig = planned) -> bool:
+                plan = plan_memory(
+                    planned,
+                    sizes(rows),
+                    num_dense_features,
+                    num_dense_params,
+                    world_size,
+                    accelerator,
+                )
+                return plan.total <= budget
+
+            # Every row takes at least 1 byte on one of the W ranks: an upper bound.
+            found = largest(num_tables, max(num_tables, budget * world_size), ok)
+            best = max(best, found or 0)
+        fit[precision] = best
+    return fit
+
+
+def rows_report(fit: dict[TablePrecision, int], embedding_dim: int, where: str) -> str:
+    """One line for the plan's report: rows of `embedding_dim` that fit, by precision.
+
+    Args:
+        fit: `rows_that_fit`'s answer.
+        embedding_dim: The D it was computed for.
+        where: The budget and layout it was computed for, e.g. "the 10.00 GiB per-rank
+            budget on 2 ranks".
+    """
+    # fp16 and bf16 rows take the same bytes: one figure for both.
+    shown = [("fp32", fit["fp32"]), ("bf16/fp16", fit["bf16"]), ("int8", fit["int8"])]
+    return (
+        f"Embedding rows of dim {embedding_dim} that fit {where}, by train.table_precision: "
+        + ", ".join(f"{name} {rows:,}" for name, rows in shown)
+        + "."
+    )
 
 
 def _round_down(value: int) -> int:

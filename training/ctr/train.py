@@ -3,7 +3,8 @@
 Reads `<shards_dir>/dataset.json` (the train split's files are read by the ranks).
 Writes to `out_dir`:
 
-- `train_config.json`: the resolved train config;
+- `train_config.json`: the resolved train config (train.zero_stage: auto resolved to a
+  stage);
 - `model_config.json`: the `CTRModel` constructor arguments (see `training.ctr.model`);
 - `memory_plan.json`: the memory planner's per-rank estimate (see `training.ctr.memory`);
 - `launch.json`: the launch spec the ranks read (configs, paths, step plan);
@@ -13,7 +14,10 @@ Writes to `out_dir`:
   `train_summary.json`.
 
 Before anything is launched, the memory planner estimates each rank's memory for
-the config and world size and refuses a config that cannot fit its budget.
+the config and world size and refuses a config that cannot fit its budget. With
+train.zero_stage: auto it first picks the lowest ZeRO stage that fits (the fastest:
+`training.ctr.memory.choose_zero_stage`) and logs why; every consumer (the DeepSpeed
+config, train_config.json, a resume, a warm start) sees that stage.
 
 The ranks run as `python -m deepspeed.launcher.runner ... --module training.ctr.worker`
 in their own process group, which is killed if this function is interrupted, so
@@ -28,6 +32,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -35,7 +40,13 @@ from typing import Any, Literal
 from artifacts.errors import ConfigError
 from training.config import TrainConfig
 from training.ctr.data import DatasetMeta, load_dataset_meta
-from training.ctr.memory import check_memory, plan_memory
+from training.ctr.memory import (
+    check_memory,
+    choose_zero_stage,
+    plan_memory,
+    rows_report,
+    rows_that_fit,
+)
 from training.ctr.model import build_arch, extension_resets, model_config_from
 from training.ctr.reader import steps_per_epoch
 from training.runtime.deepspeed_config import build_deepspeed_config
@@ -48,7 +59,7 @@ from training.runtime.files import (
     data_identity,
 )
 from training.runtime.launcher import NodeLaunch, TrainResult, chaos_settings
-from training.runtime.memory import MemoryPlan
+from training.runtime.memory import MemoryPlan, human_bytes
 from training.runtime.stage import NOT_FINGERPRINTED, LaunchPlan, resume_root, run_train_stage
 
 # The rank module `train_model` launches.
@@ -194,7 +205,8 @@ def train_model(
         python: The interpreter that runs the launcher.
         memory_budget: (bytes per rank, where that figure comes from) for the memory
             planner when `train.memory_per_rank_gb` (GiB) is unset; on CPU it is taken
-            to be this machine's memory split over the ranks. None skips the check then.
+            to be this machine's memory split over the ranks. None skips the check then
+            (and train.zero_stage: auto takes ZeRO 0).
         checkpoint_root: Where the resume checkpoints go (see
             `artifacts.checkpoints`); a call with the same root and config resumes from
             the newest valid one. Pass a directory that outlives `out_dir` (the train
@@ -221,9 +233,18 @@ def train_model(
         TrainingCrashed: The launcher or a rank exited non-zero (message has the exit
             code and the last output lines).
     """
-
+    # train.zero_stage: auto is resolved here, before run_train_stage writes
+    # train_config.json and the launch spec: the ranks, a resume and a later warm start
+    # from this output must all see the stage that was trained with.
+    reason = None
+    if config.zero_stage == "auto":
+        meta = load_dataset_meta(Path(shards_dir).resolve())
+        model_config = model_config_from(config, meta)
+        config, reason = resolve_zero_stage(config, meta, model_config, accelerator, memory_budget)
+        if on_log is not None:
+            on_log(reason)
     return run_train_stage(
-        partial(plan_ctr_run, warm_start=warm_start),
+        partial(plan_ctr_run, warm_start=warm_start, zero_stage_reason=reason),
         WORKER,
         config,
         shards_dir,
@@ -251,8 +272,13 @@ def plan_ctr_run(
     memory_budget: tuple[int, str] | None = None,
     checkpoint_root: Path | None = None,
     warm_start: Callable[[DatasetMeta, dict[str, Any]], dict[str, Any]] | None = None,
+    zero_stage_reason: str | None = None,
 ) -> LaunchPlan:
     """Everything `train_model` decides before it launches: the launch spec and its parts.
+
+    A config with train.zero_stage: auto is planned at the stage `resolve_zero_stage`
+    picks (the spec's train config holds that stage); `train_model` resolves it first,
+    so that its train_config.json holds it too.
 
     Args:
         config: The train config.
@@ -263,6 +289,8 @@ def plan_ctr_run(
         memory_budget: As `train_model`.
         checkpoint_root: As `train_model`.
         warm_start: As `train_model`.
+        zero_stage_reason: How `train_model` resolved train.zero_stage: auto, for the
+            memory plan's notes.
 
     Returns:
         The launch spec (train, model and DeepSpeed configs, paths, step plan,
@@ -289,7 +317,13 @@ def plan_ctr_run(
     meta = load_dataset_meta(shards_dir)
     total_steps = plan_total_steps(config, meta)
     model_config = model_config_from(config, meta)
-    memory_plan = _plan_memory(config, meta, model_config, accelerator, memory_budget)
+    if config.zero_stage == "auto":
+        config, zero_stage_reason = resolve_zero_stage(
+            config, meta, model_config, accelerator, memory_budget
+        )
+    memory_plan = _plan_memory(
+        config, meta, model_config, accelerator, memory_budget, zero_stage_reason
+    )
     root = resume_root(checkpoint_root, out_dir)
     spec = {
         "backend": "gloo" if accelerator == "cpu" else "nccl",
@@ -349,15 +383,74 @@ def config_fingerprint(spec: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def resolve_zero_stage(
+    config: TrainConfig,
+    meta: DatasetMeta,
+    model_config: Mapping[str, Any],
+    accelerator: str,
+    memory_budget: tuple[int, str] | None = None,
+) -> tuple[TrainConfig, str]:
+    """`config` with train.zero_stage: auto replaced by the lowest stage that fits.
+
+    The budget is the one the memory check uses (`train.memory_per_rank_gb`, else
+    `memory_budget`); see `training.ctr.memory.choose_zero_stage` for why the lowest.
+
+    Args:
+        config: The train config (an explicit stage is kept).
+        meta: The dataset description (table sizes, dense features).
+        model_config: `model_config_from(config, meta)` (counts the dense parameters).
+        accelerator: "cpu" or "cuda".
+        memory_budget: As `train_model`.
+
+    Returns:
+        (the config with an int zero_stage, one line that says which stage and why).
+    """
+    budget = _budget(config, accelerator, memory_budget)
+    stage, reason = choose_zero_stage(
+        config,
+        meta.table_sizes,
+        len(meta.dense),
+        _dense_params(model_config),
+        config.world_size,
+        accelerator,
+        None if budget is None else budget[:2],
+    )
+    return config.model_copy(update={"zero_stage": stage}), reason
+
+
+def _budget(
+    config: TrainConfig, accelerator: str, memory_budget: tuple[int, str] | None
+) -> tuple[int, str, bool] | None:
+    """(bytes per rank, where from, whether it is one machine's memory split over the
+    ranks) of the memory check, or None when there is none."""
+    if config.memory_per_rank_gb is not None:
+        return int(config.memory_per_rank_gb * 2**30), "train.memory_per_rank_gb", False
+    if memory_budget is not None:
+        # One machine's memory shared by the ranks: more ranks would not add memory.
+        return (*memory_budget, accelerator == "cpu")
+    return None
+
+
+def _dense_params(model_config: Mapping[str, Any]) -> int:
+    """Parameters of the dense module (no embedding table: `build_arch`)."""
+    return sum(p.numel() for p in build_arch(model_config).parameters())
+
+
 def _plan_memory(
     config: TrainConfig,
     meta: DatasetMeta,
     model_config: dict[str, Any],
     accelerator: str,
     memory_budget: tuple[int, str] | None,
+    zero_stage_reason: str | None = None,
 ) -> MemoryPlan:
-    """Estimate per-rank memory and refuse a config that cannot fit (ConfigError)."""
-    num_dense_params = sum(p.numel() for p in build_arch(model_config).parameters())
+    """Estimate per-rank memory and refuse a config that cannot fit (ConfigError).
+
+    The plan's notes say how train.zero_stage: auto was resolved and, for sharded
+    embeddings with a budget, how many rows of this embedding_dim would fit at each
+    table precision on this world size.
+    """
+    num_dense_params = _dense_params(model_config)
     plan = plan_memory(
         config,
         meta.table_sizes,
@@ -367,10 +460,31 @@ def _plan_memory(
         accelerator,
         feature_names=[*meta.sparse_names, *meta.multi_hot_names],
     )
-    if config.memory_per_rank_gb is not None:
-        budget = int(config.memory_per_rank_gb * 2**30)
-        check_memory(plan, config, budget, "train.memory_per_rank_gb")
-    elif memory_budget is not None:
-        # One machine's memory shared by the ranks: more ranks would not add memory.
-        check_memory(plan, config, *memory_budget, split_over_ranks=accelerator == "cpu")
+    budget = _budget(config, accelerator, memory_budget)
+    notes = [zero_stage_reason] if zero_stage_reason else []
+    if budget is not None and config.embeddings == "sharded":
+        fit = rows_that_fit(
+            config,
+            budget[0],
+            num_tables=len(meta.table_sizes),
+            num_dense_features=len(meta.dense),
+            num_dense_params=num_dense_params,
+            world_size=config.world_size,
+            accelerator=accelerator,
+        )
+        where = (
+            f"the {human_bytes(budget[0])} per-rank budget on {config.world_size} "
+            f"{'rank' if config.world_size == 1 else 'ranks'} "
+            f"(this table: {sum(meta.table_sizes):,} rows at {config.table_precision})"
+        )
+        notes.append(rows_report(fit, config.embedding_dim, where))
+    plan = replace(plan, notes=tuple(notes))
+    if budget is not None:
+        limit, source, split_over_ranks = budget
+        try:
+            check_memory(plan, config, limit, source, split_over_ranks=split_over_ranks)
+        except ConfigError as error:
+            if zero_stage_reason is None:
+                raise
+            raise ConfigError(f"{error}\n{zero_stage_reason}") from None
     return plan

@@ -52,7 +52,18 @@ def build_deepspeed_config(
 
     Returns:
         A JSON-able DeepSpeed config.
+
+    Raises:
+        ValueError: `config.zero_stage` is still "auto": the family's train stage resolves
+            it against the memory plan before it builds the launch spec, so that the
+            ranks, train_config.json, a resume and a warm start see one stage.
     """
+    if config.zero_stage == "auto":
+        raise ValueError(
+            "train.zero_stage is 'auto': resolve it first (training.ctr.train."
+            "resolve_zero_stage, training.sequence.train.resolve_sequence_zero_stage), or "
+            "set zero_stage: 0, 1, 2 or 3"
+        )
     ds_config: dict[str, Any] = {
         "train_batch_size": config.global_batch_size(world_size),
         "train_micro_batch_size_per_gpu": config.batch_size,

@@ -11,12 +11,19 @@ from artifacts.errors import ConfigError
 
 
 def plan_record(plan: MemoryPlan) -> dict[str, Any]:
-    return {
+    """The plan as `memory_plan.json` holds it (its notes only when it has any)."""
+    record: dict[str, Any] = {
         "world_size": plan.world_size,
         "per_rank_bytes": dict(plan.per_rank),
         "host_offload_bytes": plan.host_offload,
         "total_per_rank_bytes": plan.total,
     }
+    if plan.notes:
+        record["notes"] = list(plan.notes)
+    return record
+
+
+KiB = 1 << 10
 
 
 MiB = 1 << 20
@@ -76,6 +83,8 @@ class MemoryPlan:
         num_dense_features: Dense input features.
         num_dense_params: Dense parameters, without embedding tables.
         accelerator: "cpu" or "cuda".
+        notes: Lines the family's planner adds to the report: how train.zero_stage: auto
+            was resolved, how many rows of the table would fit at each table precision.
     """
 
     world_size: int
@@ -87,12 +96,14 @@ class MemoryPlan:
     num_dense_features: int = 0
     num_dense_params: int = 0
     accelerator: str = "cpu"
+    notes: tuple[str, ...] = ()
 
     def table(self) -> str:
         """A markdown table of the components, for logs and a Prefect artifact.
 
         Returns:
-            A title line, then one row per component and the total, in GiB/MiB and bytes.
+            A title line, then one row per component and the total, in GiB/MiB and bytes,
+            then the host-offload line and the notes, if any.
         """
         lines = [
             f"Memory plan of the worst rank (rank 0 of {self.world_size}, "
@@ -116,6 +127,8 @@ class MemoryPlan:
                 f"offload_optimizer keeps {human_bytes(self.host_offload)} "
                 f"({self.host_offload:,} bytes) of dense optimizer state in CPU memory ({where}).",
             ]
+        for note in self.notes:  # a paragraph each in markdown
+            lines += ["", note]
         return "\n".join(lines)
 
 
@@ -169,7 +182,12 @@ def machine_memory_bytes() -> int:
 
 
 def human_bytes(size: int) -> str:
-    """Bytes as GiB from 1 GiB up, else MiB (two and one decimals)."""
+    """Bytes as GiB from 1 GiB up (two decimals), MiB from 1 MiB up, KiB from 1 KiB up
+    (one decimal), else bytes: a small part reads as its size, not as "0.0 MiB"."""
     if size >= GiB:
         return f"{size / GiB:.2f} GiB"
-    return f"{size / MiB:.1f} MiB"
+    if size >= MiB:
+        return f"{size / MiB:.1f} MiB"
+    if size >= KiB:
+        return f"{size / KiB:.1f} KiB"
+    return f"{size:,} bytes"

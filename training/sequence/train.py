@@ -14,7 +14,9 @@ Reads `<sequences_dir>/sequences.json` and `train.parquet` (written by preproces
   With validation the resume checkpoints' directory also holds `validation.json`.
 
 Layout: `train.pipeline_stages` stages, `world_size / pipeline_stages` data-parallel
-replicas (ZeRO stage 0 or 1), `train.batch_size` sequences per micro batch and replica,
+replicas (ZeRO stage 0 or 1; train.zero_stage: auto takes 0 unless only 1 fits the
+memory budget, `resolve_sequence_zero_stage`), `train.batch_size` sequences per micro
+batch and replica,
 `train.grad_accum_steps` micro batches per optimizer step. The number of steps is
 `train.max_steps`, or `train.epochs` passes over the train sequences. The model's
 pieces (options, activation shape, optimizer betas) come from its
@@ -200,6 +202,8 @@ def plan_sequence_memory(
     rows of L + 1 positions per sequence and gathers no candidate vectors); a head MLP
     is small and not counted.
     """
+    if config.zero_stage == "auto":
+        raise ValueError("train.zero_stage is 'auto': resolve_sequence_zero_stage first")
     num_items, length = model_config["num_items"], model_config["max_length"]
     dim, blocks = model_config["hidden_dim"], model_config["num_blocks"]
     heads = model_config["num_heads"]
@@ -323,7 +327,17 @@ def train_sequence_model(
             parsed).
         TrainingCrashed: The launcher or a rank exited non-zero.
     """
-
+    # Resolved before run_train_stage writes train_config.json and the launch spec, so
+    # that the ranks and a resume see the stage that was trained with.
+    if config.zero_stage == "auto":
+        sequences_dir = Path(sequences_dir).resolve()
+        model_config = sequence_model_config(config, read_sequences_meta(sequences_dir))
+        train_rows = pq.ParquetFile(sequences_dir / TRAIN_SEQUENCES_FILE).metadata.num_rows
+        config, reason = resolve_sequence_zero_stage(
+            config, model_config, train_rows, memory_budget
+        )
+        if on_log is not None:
+            on_log(reason)
     return run_train_stage(
         plan_sequence_run,
         WORKER,
@@ -379,6 +393,8 @@ def plan_sequence_run(
     model_config = sequence_model_config(config, meta)
     train_rows = pq.ParquetFile(sequences_dir / TRAIN_SEQUENCES_FILE).metadata.num_rows
     total_steps = plan_sequence_steps(config, train_rows)
+    if config.zero_stage == "auto":
+        config, _ = resolve_sequence_zero_stage(config, model_config, train_rows, memory_budget)
     memory_plan = plan_sequence_memory(config, model_config, train_rows)
     if config.memory_per_rank_gb is not None:
         budget = int(config.memory_per_rank_gb * 2**30)
@@ -401,6 +417,52 @@ def plan_sequence_run(
         chaos=chaos_settings(env),
     )
     return LaunchPlan(spec.model_dump(mode="json"), model_config, memory_plan, root)
+
+
+def resolve_sequence_zero_stage(
+    config: TrainConfig,
+    model_config: Mapping[str, Any],
+    train_rows: int,
+    memory_budget: tuple[int, str] | None = None,
+) -> tuple[TrainConfig, str]:
+    """`config` with train.zero_stage: auto replaced by 0, or by 1 when only 1 fits.
+
+    The pipeline engine runs ZeRO 0 or 1. ZeRO 0 keeps each stage's optimizer state in
+    one file, so a resume may change the data-parallel degree (`resume_layout`), and
+    it skips the partitioned optimizer step; ZeRO 1 is taken only when the memory plan
+    fits the budget (`train.memory_per_rank_gb`, else `memory_budget`) with Adam's state
+    partitioned over the replicas and not without. With no budget: 0. When neither
+    fits (the check then refuses it): the one with the smaller plan, 0 on a tie.
+
+    Returns:
+        (the config with an int zero_stage, one line that says which stage and why).
+    """
+    if config.zero_stage != "auto":
+        return config, f"train.zero_stage: {config.zero_stage} (set in the config)"
+    plans = {
+        stage: plan_sequence_memory(
+            config.model_copy(update={"zero_stage": stage}), model_config, train_rows
+        )
+        for stage in config.zero_stages()
+    }
+    if config.memory_per_rank_gb is not None:
+        budget = (int(config.memory_per_rank_gb * 2**30), "train.memory_per_rank_gb")
+    else:
+        budget = memory_budget
+    if budget is None:
+        stage = min(plans)
+    else:
+        fitting = [s for s in plans if plans[s].total <= budget[0]]
+        stage = fitting[0] if fitting else min(plans, key=lambda s: (plans[s].total, s))
+    need = ", ".join(f"ZeRO {s} needs {human_bytes(plan.total)}" for s, plan in plans.items())
+    within = (
+        "no memory budget to plan against"
+        if budget is None
+        else f"the budget is {human_bytes(budget[0])} per rank (from {budget[1]})"
+    )
+    return config.model_copy(update={"zero_stage": stage}), (
+        f"train.zero_stage: auto -> {stage}: {need} on the worst rank; {within}"
+    )
 
 
 def build_pipeline_spec(

@@ -289,13 +289,18 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_another_config_is_refused(
 # 2 -> 1 ranks under ZeRO-2 and ZeRO-3 with grad_accum_steps 2 go through `recforge run`
 # in tests/flows/test_elastic.py; here the other directions, and 2 -> 1 with one micro
 # batch of twice the rows.
+# Each at one table precision: the rows move between shards in their stored form.
 @pytest.mark.parametrize(
-    ("before", "after", "zero_stage"),
-    [(2, 1, 2), (1, 2, 0), (1, 2, 3)],
-    ids=["2-to-1-ranks-zero2-universal", "1-to-2-ranks-zero0", "1-to-2-ranks-zero3-universal"],
+    ("before", "after", "zero_stage", "precision"),
+    [(2, 1, 2, "fp16"), (1, 2, 0, "int8"), (1, 2, 3, "bf16")],
+    ids=[
+        "2-to-1-ranks-zero2-universal-fp16",
+        "1-to-2-ranks-zero0-int8",
+        "1-to-2-ranks-zero3-universal-bf16",
+    ],
 )
 def test_a_checkpoint_resumes_on_another_world_size(
-    make_shards, tmp_path: Path, before: int, after: int, zero_stage: int
+    make_shards, tmp_path: Path, before: int, after: int, zero_stage: int, precision: str
 ):
     shards_dir = make_shards(rows_per_file=1024)
     # Fixed data streams and global batch: every world size sees the same batches. No
@@ -309,6 +314,7 @@ def test_a_checkpoint_resumes_on_another_world_size(
         "log_every": 1,
         "data_streams": 2,
         "zero_stage": zero_stage,
+        "table_precision": precision,
     }
 
     def config(world_size: int) -> TrainConfig:

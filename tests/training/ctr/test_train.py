@@ -75,11 +75,15 @@ def test_deepspeed_config_comes_from_the_train_config() -> None:
 
 
 def test_deepspeed_config_defaults_keep_the_learning_rate_constant() -> None:
-    ds_config = build_deepspeed_config(TrainConfig(), world_size=2)
+    ds_config = build_deepspeed_config(TrainConfig(zero_stage=0), world_size=2)
     assert "scheduler" not in ds_config
     assert ds_config["bf16"] == {"enabled": False}
     assert ds_config["zero_optimization"] == {"stage": 0}
-    assert build_deepspeed_config(TrainConfig(warmup_steps=5), 2)["scheduler"]["type"] == "WarmupLR"
+    warmup = TrainConfig(warmup_steps=5, zero_stage=0)
+    assert build_deepspeed_config(warmup, 2)["scheduler"]["type"] == "WarmupLR"
+    # train.zero_stage: auto (the default) is resolved by the train stage, never passed on.
+    with pytest.raises(ValueError, match="zero_stage is 'auto'"):
+        build_deepspeed_config(TrainConfig(), world_size=2)
 
 
 def test_step_plan(shards_dir: Path) -> None:
@@ -129,6 +133,12 @@ def test_launcher_output_is_streamed_and_a_failure_raises(shards_dir: Path, tmp_
     assert "boom" in (out / "launcher.log").read_text()
     launch = json.loads((out / "launch.json").read_text())
     assert launch["total_steps"] == 16 and launch["ds_config"]["optimizer"]["params"]["torch_adam"]
+    # train.zero_stage: auto (no budget here) was resolved to 0 before anything was
+    # written: the ranks, train_config.json and the log line all say 0.
+    assert launch["ds_config"]["zero_optimization"] == {"stage": 0}
+    assert launch["train_config"]["zero_stage"] == 0
+    assert json.loads((out / "train_config.json").read_text())["zero_stage"] == 0
+    assert lines[0].startswith("train.zero_stage: auto -> 0")
 
 
 def test_the_launch_spec_names_the_root_so_a_rank_on_shared_storage_needs_the_key(
@@ -169,6 +179,8 @@ def test_an_interrupted_caller_leaves_no_orphans(shards_dir: Path, tmp_path: Pat
     children: list[int] = []
 
     def on_log(line: str) -> None:
+        if not line.startswith("child "):  # the planner's line (train.zero_stage: auto)
+            return
         children.append(int(line.split()[1]))
         raise KeyboardInterrupt
 
