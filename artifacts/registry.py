@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,71 @@ class Registry:
                 f"{problem}; export it again (`recforge run CONFIG --force export`)"
             )
         return local
+
+    def manifest(self, version: str) -> dict[str, Any]:
+        """The signed package manifest of `version` (its files' sizes and sha256s),
+        verified and bound to this model and version; nothing else is read.
+
+        Raises:
+            InputNotFoundError: No such version.
+            SignatureError, MisplacedRecord, UnsafeName: As `path`.
+        """
+        location = self.location(version)
+        expected = self.package_place(version)
+        if self.remote:
+            manifest = remote_manifest(str(location), place=expected)
+        else:
+            manifest = read_verified(Path(location) / MANIFEST, place=expected)
+        if manifest is None or not isinstance(manifest.get("files"), dict):
+            raise CorruptOutput(
+                f"{self._at(version)} has no valid {MANIFEST}; export it again "
+                "(`recforge run CONFIG --force export`)"
+            )
+        return manifest
+
+    def package_json(
+        self, version: str, name: str, limit: int = DECISION_BYTES
+    ) -> dict[str, Any] | None:
+        """A small JSON file of the package of `version` (e.g. `model_config.json`), read
+        without downloading the package and checked against its signed manifest.
+
+        Args:
+            version: The version.
+            name: The file's name in the package, as the manifest lists it.
+            limit: The most bytes to read.
+
+        Returns:
+            The parsed file; None when the manifest lists no such file.
+
+        Raises:
+            InputNotFoundError: No such version.
+            CorruptOutput: The file is missing, larger than `limit`, or differs from its
+                size and sha256 in the manifest.
+        """
+        manifest = self.manifest(version)
+        entry = manifest["files"].get(name)
+        if entry is None:
+            return None
+        location = self.location(version)
+        # A remote package's objects lie under its manifest's data prefix (`remote_manifest`
+        # checked that it is one plain name).
+        source = (
+            join(location, str(manifest.get("data", "")), name)
+            if self.remote
+            else Path(location) / name
+        )
+        try:
+            text = read_text_or_none(source, limit)
+        except SignatureError as err:  # larger than the cap, or not text
+            raise CorruptOutput(f"{source}: {err}") from err
+        data = b"" if text is None else text.encode()
+        listed = text is not None and len(data) == entry["bytes"]
+        if not listed or sha256(data).hexdigest() != entry["sha256"]:
+            raise CorruptOutput(
+                f"{source} is missing or does not match its size and sha256 in "
+                f"{self._at(version, MANIFEST)}; export the version again"
+            )
+        return json.loads(data)
 
     def champion(self) -> str | None:
         """The champion's version, or None before the first promotion."""

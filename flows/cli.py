@@ -8,9 +8,13 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from artifacts.errors import ConfigError, InputNotFoundError, RecforgeError
 from artifacts.store import DEFAULT_ROOT, STAGES
+
+if TYPE_CHECKING:  # imported where used: the registry is only needed by `models`
+    from artifacts.registry import Registry
 
 # tasks.common.STAGES, spelled out so argument errors need no Prefect import (a test keeps
 # them equal).
@@ -168,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--model", default="ctr", help="model name (export.model_name)")
     actions = models.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="every version, the champion marked")
-    show = actions.add_parser("show", help="one version: package, decision, metrics")
+    show = actions.add_parser(
+        "show", help="one version: package, decision, weights and embedding table size"
+    )
     show.add_argument("version", nargs="?", help="default: the champion")
     promote = actions.add_parser("promote", help="make a version the champion (by hand)")
     promote.add_argument("version")
@@ -426,6 +432,7 @@ def _models(args: argparse.Namespace) -> int:
             "path": str(path),
             "champion": name == registry.champion(),
             "decision": registry.decision(name),
+            **_package_weights(registry, name),
         }
         print(json.dumps(info, indent=2))
         return 0
@@ -436,6 +443,33 @@ def _models(args: argparse.Namespace) -> int:
         record = registry.rollback(args.reason)
     print(f"champion of {args.model}: {record['version']} (was {before})")
     return 0
+
+
+def _package_weights(registry: "Registry", version: str) -> dict:
+    """What `models show` tells of a version's weights, from its signed manifest and
+    its model_config.json (checked against it; the weights file itself is not read):
+
+    - `weights_bytes`: the size of its `model.safetensors`;
+    - `table` (CTR packages): the embedding table's `precision` (train.table_precision:
+      the package keeps the rows at it), `rows`, `embedding_dim` and `bytes`.
+    """
+    from training.ctr.model import table_footprint
+    from training.runtime.files import MODEL_CONFIG_FILE, WEIGHTS_FILE
+
+    figures: dict = {}
+    weights = registry.manifest(version)["files"].get(WEIGHTS_FILE)
+    if weights is not None:
+        figures["weights_bytes"] = weights["bytes"]
+    model_config = registry.package_json(version, MODEL_CONFIG_FILE)
+    if model_config is not None and "table_sizes" in model_config:  # a CTR model
+        try:
+            figures["table"] = table_footprint(model_config)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConfigError(
+                f"{registry.model_name} {version}: its {MODEL_CONFIG_FILE} does not describe "
+                f"an embedding table ({err}); export the version again"
+            ) from err
+    return figures
 
 
 def _gc(args: argparse.Namespace) -> int:

@@ -343,14 +343,13 @@ class TrainConfig(BaseModel):
         description="How the sharded embedding rows are stored (embeddings: sharded only): "
         "fp16 and bf16 halve the bytes of each row; int8 stores 8-bit codes with a per-row "
         "fp32 scale and bias (FBGEMM's row-wise 8-bit layout). Each update is computed in "
-        "fp32 and "
-        "rounded back stochastically, with random bits that are a function of (seed, step, "
-        "global row, column), so runs are reproducible, a resume is bitwise and the world "
-        "size does not change the result. The row-wise optimizer state stays fp32, and "
-        "lookups upcast the rows. fp16 works on CPU too: the rows never go through "
-        "DeepSpeed. Checkpoints keep this precision (a resume cannot change it; a warm "
-        "start converts); model.safetensors and the exported package hold the rows "
-        "upcast to fp32, which is exact.",
+        "fp32 and rounded back stochastically, with random bits that are a function of "
+        "(seed, step, global row, column), so runs are reproducible, a resume is bitwise and "
+        "the world size does not change the result. The row-wise optimizer state stays "
+        "fp32, and lookups upcast (decode) the rows. fp16 works on CPU too: the rows never "
+        "go through DeepSpeed. Checkpoints, model.safetensors and the exported package keep "
+        "this precision; the ONNX and TorchScript models decode the rows after the gather. "
+        "A resume cannot change it; a warm start converts.",
     )
     loss_scale: float = Field(
         0.0, ge=0, description="fp16 only: a static loss scale, or 0 for dynamic loss scaling."

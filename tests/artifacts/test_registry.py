@@ -89,3 +89,38 @@ def test_models_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "champion of ctr: v1 (was v2)" in capsys.readouterr().out
     assert main(["models", "--root", root, "show", "v7"]) == 2
     assert "no version 'v7'" in capsys.readouterr().err
+
+
+def test_models_show_tells_the_table_precision_and_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CTR package keeps its table at train.table_precision: `models show` says which,
+    with the table's rows and bytes, from the package's signed model_config.json."""
+    store = ArtifactStore(tmp_path)
+    staging = store.new_staging("export", "f" * 16)
+    (staging / "model.onnx").write_bytes(b"onnx")
+    (staging / "score.py").write_text("# scorer\n")
+    (staging / INFRA_REPORT).write_text(json.dumps(OK))
+    (staging / "model.safetensors").write_bytes(b"\0" * 4321)
+    model_config = {"table_sizes": [100, 20], "embedding_dim": 16, "table_precision": "int8"}
+    (staging / "model_config.json").write_text(json.dumps(model_config))
+    store.publish("export", "f" * 16, staging, {})
+    path = Path(store.publish_model("ctr", "v1", store.output_dir("export", "f" * 16)))
+    register(tmp_path, "v2")  # a package without model_config.json
+
+    assert main(["models", "--root", str(tmp_path), "show", "v1"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["table"] == {
+        "precision": "int8",
+        "rows": 120,
+        "embedding_dim": 16,
+        "bytes": 120 * (16 + 8),  # uint8 codes, then the fp32 scale and bias of each row
+    }
+    assert shown["weights_bytes"] == 4321
+    assert main(["models", "--root", str(tmp_path), "show", "v2"]) == 0
+    assert "table" not in json.loads(capsys.readouterr().out)
+
+    # Read only as its manifest lists it: an edited model_config.json is refused.
+    (path / "model_config.json").write_text(json.dumps({**model_config, "table_precision": "fp32"}))
+    assert main(["models", "--root", str(tmp_path), "show", "v1"]) == 2
+    assert "does not match its size and sha256" in capsys.readouterr().err

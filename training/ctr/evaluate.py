@@ -17,6 +17,10 @@ Parquet files (streamed in batches; predictions go into streaming accumulators o
 - `bayes_auc`: the AUC of the dataset's oracle column (the best any model can do), when
   dataset.json names an oracle.
 - `calibration`: mean prediction / click rate of the primary task (1.0 is calibrated).
+- `table_precision` (string): how the scored model's embedding table is stored ("fp32",
+  "fp16", "bf16" or "int8", `train.table_precision`); the model gathers the rows at
+  that precision and decodes them, as its package's ONNX graph does, so these are the
+  metrics of what the package serves.
 - `gauc`, `gauc_users`: grouped AUC of the primary task (per-user AUC weighted by the
   user's rows, over users with both classes) and the number of users it averages
   (`gauc` is null when no user has both classes). Only when a user column is known
@@ -144,6 +148,7 @@ class EvaluateResult:
         gauc_users: Users GAUC averages over, or None without a user column.
         calibration_path: The written calibration.json (reliability bins).
         scores_head_path: The written scores_head.npy (scores of the first rows).
+        table_precision: How the scored model's embedding table is stored.
     """
 
     metrics_path: Path
@@ -161,6 +166,7 @@ class EvaluateResult:
     gauc_users: int | None
     calibration_path: Path
     scores_head_path: Path
+    table_precision: str
 
 
 def evaluate_model(
@@ -209,6 +215,7 @@ def evaluate_model(
     same type, its message prefixed with the rank.
     """
     plan, model, meta, transform = _plan_scoring(config, train_dir, shards_dir, transform_path)
+    table_precision = model.table_precision
     out_dir = Path(out_dir)
     num_files = len(meta.split(config.split).files)
     if config.workers == 1 or num_files <= 1:
@@ -219,6 +226,7 @@ def evaluate_model(
         merged = _score_in_ranks(plan, min(config.workers, num_files), out_dir, launch)
     metrics = {
         **_split_metrics(plan, merged),
+        "table_precision": table_precision,
         **_slice_metrics(merged.slices, transform),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -243,6 +251,7 @@ def evaluate_model(
         gauc_users=metrics.get("gauc_users"),
         calibration_path=calibration_path,
         scores_head_path=scores_head_path,
+        table_precision=table_precision,
     )
 
 

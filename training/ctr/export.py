@@ -7,12 +7,20 @@ evaluation's metrics.json, the evaluate stage's output (its `scores_head.npy` is
 reference of infra validation) and the ingest output's `events/` (raw test records for
 infra validation). Writes into `out_dir`:
 
-- `model.safetensors`, `model_config.json`: the weights and how to rebuild the module;
+- `model.safetensors`, `model_config.json`: the weights and how to rebuild the module
+  (with its `table_precision`); the embedding table stays as training stored it
+  (`train.table_precision`: fp32, fp16 / bf16 rows, or int8 codes with their per-row
+  `embedding.scale_bias`), so a compact table's package is as small as its table;
 - `model.onnx`: inputs `sparse` int64 (B, F), `dense` float32 (B, Dn) and, per
   multi-hot feature, `multi_hot_<name>` int64 (B, L) padded with -1; output `score`
   float32, the probability of each task's label: (B,) for one task, (B, T) for
-  several; the batch axis (and L) are dynamic;
-- `model.ts`: the same graph as TorchScript (torch.jit.trace);
+  several; the batch axis (and L) are dynamic. A compact table is the graph's
+  initializer at its own type (FLOAT16, BFLOAT16, or UINT8 plus a FLOAT scale/bias
+  initializer), gathered and then cast (int8: times scale, plus bias) to float32, so
+  the graph is no larger than the table (`training.ctr.model.CompactTable`); onnxruntime's
+  CPU provider runs Gather and Cast on all three types (BFLOAT16 from opset 13, so a
+  bf16 table needs `export.opset` >= 13);
+- `model.ts`: the same graph as TorchScript (torch.jit.trace), the same compact buffers;
 - `transform.json`: a copy of the fitted transform (raw values -> model inputs);
 - `signature.json`: feature names in input order, dtypes, shapes, input/output names;
 - `parity/inputs.npz` (keys = ONNX input names), `parity/scores.npy`: the trained
@@ -54,7 +62,7 @@ from data_prep.transform import TransformApplier, load_transform
 from training.config import ExportConfig
 from training.ctr.data import DatasetMeta, iter_tables, load_dataset_meta, model_columns, to_batch
 from training.ctr.evaluate import METRICS_FILE, SCORES_HEAD_FILE
-from training.ctr.model import CTRModel, load_model
+from training.ctr.model import CTRModel, load_model, table_footprint
 from training.ctr.package import (
     INFRA_VALIDATION_FILE,
     SCORER_FILE,
@@ -88,6 +96,10 @@ INPUT_NAMES = ("sparse", "dense")
 
 
 OUTPUT_NAME = "score"
+
+# The first ONNX opset whose Gather and Cast take BFLOAT16: a bf16 table needs it (fp16
+# and uint8 tables export at any opset export.opset allows).
+BF16_MIN_OPSET = 13
 
 
 class ScoringModule(nn.Module):
@@ -157,7 +169,8 @@ def export_model(
     Raises:
         InputNotFoundError: A model file, the transform, the metrics, dataset.json or
             (with events_dir) evaluate's scores_head.npy or metrics.json is missing.
-        ConfigError: evaluate saved fewer rows than infra validation needs.
+        ConfigError: evaluate saved fewer rows than infra validation needs, or the
+            model's table is bf16 and export.opset is below 13.
         SchemaError: The test split has no rows, or the transform is not a fitted one
             (with events_dir).
         DataError: The events do not hold the shards' test rows.
@@ -168,6 +181,12 @@ def export_model(
     train_dir, out_dir = Path(train_dir), Path(out_dir)
     check_files_exist(transform_path, metrics_path)
     model, model_config = load_model(train_dir)
+    if model.table_precision == "bf16" and config.opset < BF16_MIN_OPSET:
+        raise ConfigError(
+            f"export.opset={config.opset}, but the model in {train_dir} holds its table as "
+            f"bf16 rows (train.table_precision: bf16), and ONNX gathers and casts BFLOAT16 "
+            f"from opset {BF16_MIN_OPSET}; set export.opset: {BF16_MIN_OPSET} or later"
+        )
     meta = load_dataset_meta(shards_dir)
     scorer = ScoringModule(model).eval()
     graph = _served_graph(scorer, meta, shards_dir, config.parity_rows)
@@ -452,11 +471,15 @@ def _model_card(
     infra: dict[str, Any] | None,
 ) -> str:
     interaction = "DLRM dot" if model_config["interaction"] == "dot" else "DCN-v2 cross"
+    table = table_footprint(model_config)
     description = (
         f"CTR model ({interaction} interaction). Inputs `sparse` int64 "
         f"(B, {len(meta.sparse)}), `dense` float32 (B, {len(meta.dense)})"
         + "".join(f", `multi_hot_{name}` int64 (B, L)" for name in meta.multi_hot_names)
-        + f"; output `score` float32, the probability of {model_config['tasks']}."
+        + f"; output `score` float32, the probability of {model_config['tasks']}.\n\n"
+        f"Embedding table: {table['rows']} rows of {table['embedding_dim']} values at "
+        f"{table['precision']} ({table['bytes']} bytes), as training stored it; the "
+        "ONNX and TorchScript graphs hold it so and decode the rows they gather to float32."
     )
     return model_card(
         config.model_name,

@@ -136,7 +136,9 @@ def warm_start_spec(
     parent_config = json.loads((parent_dir / MODEL_CONFIG_FILE).read_text())
     changed = [
         key
-        for key in sorted(model_config.keys() - {"table_sizes"})
+        # The tables grow, and a parent of another table precision converts (a parent
+        # exported before model_config.json recorded it holds fp32 rows).
+        for key in sorted(model_config.keys() - {"table_sizes", "table_precision"})
         if parent_config.get(key) != model_config[key]
     ]
     if changed:

@@ -7,8 +7,9 @@ Writes, into the spec's `out_dir`:
 - `checkpoints/final/`: the DeepSpeed checkpoint of the dense part (every rank writes
   its part) and, with sharded embeddings, `sparse-rank-RRRRR-of-WWWWW.safetensors`
   per rank (its rows, their optimizer state and admission counts);
-- `model.safetensors`: consolidated fp32 weights of the whole `CTRModel`, streamed
-  by every rank into one file (`training.runtime.consolidate`), never gathered on one rank;
+- `model.safetensors`: consolidated weights of the whole `CTRModel` (the dense part
+  fp32, the table at `train.table_precision`), streamed by every rank into one file
+  (`training.runtime.consolidate`), never gathered on one rank;
 - `train_log.jsonl`: one progress record per logging step (rank 0), also printed as
   `RECFORGE_PROGRESS {...}` lines for the parent to stream;
 - `tensorboard/`: TensorBoard event files (rank 0) when `train.tensorboard` is on;
@@ -69,7 +70,7 @@ from artifacts.errors import ConfigError
 from artifacts.signing import place
 from artifacts.store import check_output_dir
 from training.config import TrainConfig
-from training.ctr.consolidate import TABLE_NAME, table_chunks
+from training.ctr.consolidate import table_chunks, table_tensors, write_table
 from training.ctr.data import Batch, load_dataset_meta
 from training.ctr.embedding import (
     ShardedEmbedding,
@@ -90,7 +91,6 @@ from training.runtime.consolidate import (
     partial_path,
     plan_layout,
     write_dense,
-    write_pieces,
 )
 from training.runtime.exchange import NodeExchange
 from training.runtime.files import (
@@ -920,7 +920,8 @@ def _write_weights(
     world_size: int,
     chunk_rows: int | None = None,
 ) -> None:
-    """Every rank: consolidate the checkpoint into `path` (fp32 `CTRModel` weights).
+    """Every rank: consolidate the checkpoint into `path` (`CTRModel` weights: the dense
+    part fp32, the table at `train.table_precision`, `training.ctr.consolidate`).
 
     `writer` is (this rank's index, count) among the ranks that write `path` (every rank,
     or node 0's when nodes share no disk: `NodeExchange.output_writers`); None: this
@@ -936,12 +937,17 @@ def _write_weights(
     rank = dist.get_rank()
     dense: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    table_dtypes: dict[str, torch.dtype] = {}
     default_rows: torch.Tensor | None = None
+    if table_sizes is not None:  # every rank: the same from the config
+        table_shapes, table_dtypes = table_tensors(
+            sum(table_sizes), config.embedding_dim, config.table_precision
+        )
     if rank == 0:
         state = _fp32_state_dict(engine, tag_dir.parent, config.zero_stage)
         if table_sizes is not None:
             state = {f"arch.{name}": tensor for name, tensor in state.items()}
-            shapes[TABLE_NAME] = (sum(table_sizes), config.embedding_dim)
+            shapes.update(table_shapes)
             rows = state["arch.default_rows"]  # (F, D), small
             default_rows = (rows if isinstance(rows, torch.Tensor) else rows.contiguous()).float()
         dense = state
@@ -949,7 +955,7 @@ def _write_weights(
     shared: list[Any] = [shapes, default_rows]
     dist.broadcast_object_list(shared, src=0)
     shapes, default_rows = shared
-    layout = plan_layout(shapes)
+    layout = plan_layout(shapes, exact_dtypes=table_dtypes)
     if rank == 0:
         create_file(path, layout)
     dist.barrier()  # the file exists at its full size
@@ -965,7 +971,7 @@ def _write_weights(
                     *writer,
                     chunk_rows or chunk_rows_for(config.embedding_dim),
                 )
-                write_pieces(file, layout, TABLE_NAME, chunks)
+                write_table(file, layout, chunks)
             if rank == 0:
                 write_dense(file, layout, dense, CHUNK_BYTES // FP32_BYTES)
     dist.barrier()  # every rank's ranges are written

@@ -1,4 +1,4 @@
-"""Streaming consolidation of a trained model's weights into one fp32 safetensors file.
+"""Streaming consolidation of a trained model's weights into one safetensors file.
 
 Training leaves the weights in pieces: the row shards of a sharded embedding table
 (`sparse-rank-RRRRR-of-WWWWW.safetensors`, rows g = j * W + r of the table in rank r's
@@ -22,6 +22,11 @@ A rank's peak is two chunks (the rows read and the chunk written), not the model
 file is written under a temporary name and renamed into place once complete, so a
 crash never leaves a `model.safetensors` that looks whole.
 
+Stored types: floating point tensors as fp32 and integer buffers as they are, except the
+tensors a caller names in `plan_layout(exact_dtypes=...)`, which keep their dtype
+(float16, bfloat16, uint8): a compact embedding table (`train.table_precision`) stays
+2 bytes or 1 byte a value in the file, never upcast to 4.
+
 Why by hand: safetensors' Python API writes a file only from tensors held whole in
 memory (`save_file`), and has no ranged or concurrent writer. The format is a
 little-endian u64 header length, a JSON header ({name: {dtype, shape, data_offsets}},
@@ -35,7 +40,7 @@ import json
 import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +55,17 @@ _HEADER_ALIGN = 8  # safetensors pads its header so the data starts 8-byte align
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each tensor of an all-fp32 safetensors file lies.
+    """Where each tensor of a planned safetensors file lies, and in which type.
 
     Attributes:
         header: The length prefix and the JSON header, padded to 8 bytes.
         spans: Per tensor, its (start, end) byte offsets in the file.
         shapes: Per tensor, its shape.
-        dtypes: Per tensor, the numpy dtype its bytes are written in.
+        dtypes: Per tensor, the numpy dtype its bytes are written in (bfloat16, which
+            numpy lacks, as its raw 16 bits, uint16).
         size: Bytes of the whole file.
+        exact: Per tensor stored exactly as given (`plan_layout(exact_dtypes=...)`), the
+            torch dtype every piece of it must have; the others are converted.
     """
 
     header: bytes
@@ -65,6 +73,7 @@ class Layout:
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, np.dtype]
     size: int
+    exact: dict[str, torch.dtype] = field(default_factory=dict)
 
 
 # Stored types: floating point tensors as fp32; integer buffers (a pipeline model's item
@@ -77,11 +86,21 @@ _STORED = {
 
 _FP32 = ("F32", np.dtype("<f4"))
 
+# The dtypes a tensor can be stored in exactly (`plan_layout(exact_dtypes=...)`): a
+# compact table's rows. bfloat16 bytes are written as the uint16 of its bits.
+_EXACT = {
+    torch.float32: _FP32,
+    torch.float16: ("F16", np.dtype("<f2")),
+    torch.bfloat16: ("BF16", np.dtype("<u2")),
+    torch.uint8: ("U8", np.dtype("u1")),
+}
+
 
 def plan_layout(
     shapes: Mapping[str, Sequence[int]],
     metadata: dict[str, str] | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
+    exact_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> Layout:
     """The layout of a file of tensors of these shapes, in this order.
 
@@ -89,16 +108,31 @@ def plan_layout(
         shapes: Tensor name -> shape.
         metadata: Optional string metadata for the header's `__metadata__`.
         dtypes: Tensor name -> the source dtype; int64/int32 are kept, the rest (and
-            names not given) stored as fp32.
+            names not given) stored as fp32 (a bf16 training run's weights included).
+        exact_dtypes: Tensor name -> the dtype it is stored in as it is: float32,
+            float16, bfloat16 or uint8 (a compact embedding table's rows and codes).
+            `write_pieces` refuses a piece of another dtype for these.
 
     Returns:
         The layout: header bytes and each tensor's byte range.
+
+    Raises:
+        ValueError: An exact dtype is none of those four.
     """
     entries: dict[str, Any] = {}
     stored: dict[str, np.dtype] = {}
+    exact = dict(exact_dtypes or {})
+    for name, dtype in exact.items():
+        if dtype not in _EXACT:
+            raise ValueError(
+                f"tensor {name!r}: exact_dtypes takes {sorted(map(str, _EXACT))}, got {dtype}"
+            )
     offset = 0
     for name, shape in shapes.items():
-        code, dtype = _STORED.get((dtypes or {}).get(name, torch.float32), _FP32)
+        if name in exact:
+            code, dtype = _EXACT[exact[name]]
+        else:
+            code, dtype = _STORED.get((dtypes or {}).get(name, torch.float32), _FP32)
         nbytes = math.prod(shape) * dtype.itemsize
         entries[name] = {
             "dtype": code,
@@ -124,6 +158,7 @@ def plan_layout(
         shapes={name: tuple(shape) for name, shape in shapes.items()},
         dtypes=stored,
         size=base + offset,
+        exact={name: dtype for name, dtype in exact.items() if name in shapes},
     )
 
 
@@ -166,15 +201,28 @@ def write_pieces(
     the layout's dtype for it.
 
     Raises:
-        RuntimeError: A piece falls outside the tensor (a layout/shape mismatch).
+        RuntimeError: A piece falls outside the tensor (a layout/shape mismatch), or a
+            tensor stored exactly (`Layout.exact`) gets a piece of another dtype (it
+            would be converted silently otherwise).
     """
     start, end = layout.spans[name]
     dtype = layout.dtypes[name]
+    exact = layout.exact.get(name)
     for element, piece in pieces:
         source = piece.detach()
-        if dtype == _FP32[1]:
+        if exact is not None and source.dtype != exact:
+            raise RuntimeError(
+                f"tensor {name!r} is stored as {exact} in this layout but a piece is "
+                f"{source.dtype}: the layout was planned for another table precision"
+            )
+        if exact is None and dtype == _FP32[1]:
             source = source.to(torch.float32)  # bf16 weights are stored fp32
-        data = np.ascontiguousarray(source.numpy(), dtype=dtype)
+        if source.dtype == torch.bfloat16:  # numpy has no bfloat16: write its 16 bits
+            source = source.view(torch.int16)
+        if exact is None:
+            data = np.ascontiguousarray(source.numpy(), dtype=dtype)
+        else:  # the piece's own bytes, seen as the stored type
+            data = np.ascontiguousarray(source.numpy()).view(dtype)
         position = start + element * dtype.itemsize
         if element < 0 or position + data.nbytes > end:
             raise RuntimeError(

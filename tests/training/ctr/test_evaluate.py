@@ -119,6 +119,8 @@ def test_streaming_keys_calibration_and_reliability_bins(
     written = json.loads(result.metrics_path.read_text())
     assert written["auc_mode"] == result.auc_mode == "exact"  # 512 rows: auto is exact
     assert written["auc_error_bound"] == 0.0
+    # The scored model's table precision (an fp32 table here; see test_package for int8).
+    assert written["table_precision"] == result.table_precision == "fp32"
     assert written["calibration"] == pytest.approx(probabilities.mean() / labels.mean(), abs=1e-6)
     assert "gauc" not in written  # the fabricated dataset.json names no user_key
     bins = json.loads((tmp_path / "calibration.json").read_text())

@@ -1,18 +1,25 @@
 import json
+import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from artifacts.errors import InputNotFoundError
-from training.config import ExportConfig
+from artifacts.errors import ConfigError, InputNotFoundError
+from training.config import EvaluateConfig, ExportConfig, TrainConfig
+from training.ctr.embedding import decode_rows
+from training.ctr.evaluate import evaluate_model
 from training.ctr.export import export_model
 from training.ctr.model import load_model
+from training.ctr.train import train_model
 from training.errors import ParityError
 
 # Scores the package with onnxruntime and numpy only, in a fresh interpreter, and fails
@@ -190,3 +197,114 @@ def test_multi_hot_multi_task_package_keeps_parity(
     np.testing.assert_allclose(session.run(["score"], few)[0], scores[:7], atol=1e-6)
     assert signature["tasks"] == ["click", "purchase"]
     assert signature["outputs"][0]["shape"] == ["batch", 2]
+
+
+# bf16 too: onnxruntime's CPU provider gathers and casts BFLOAT16 (checked with 1.32).
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "int8"])
+def test_a_compact_table_package_keeps_its_rows_and_parity(
+    precision: str,
+    make_shards: Callable[..., Path],
+    make_train_dir: Callable[..., Path],
+    transform_path: Path,
+    tmp_path: Path,
+) -> None:
+    """train.table_precision: the package holds the rows as training stored them, and its
+    ONNX and TorchScript graphs decode them after the gather, within parity."""
+    shards = make_shards("mh", multi_hot={"tags": 12})
+    train_dir = make_train_dir(shards, name=precision, pooling="mean", table_precision=precision)
+    out_dir = tmp_path / f"package-{precision}"
+    result = export_model(
+        ExportConfig(parity_rows=200), train_dir, transform_path, shards, None, out_dir
+    )
+    assert result.parity_max_abs_diff_onnx <= 1e-5
+    assert result.parity_max_abs_diff_torchscript <= 1e-5
+
+    trained = load_file(str(train_dir / "model.safetensors"))
+    packaged = load_file(str(out_dir / "model.safetensors"))
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}[precision]
+    assert packaged["embedding.weight"].dtype == dtype
+    assert set(packaged) == set(trained)
+    assert all(torch.equal(packaged[name], trained[name]) for name in trained)
+    assert ("embedding.scale_bias" in packaged) == (precision == "int8")
+    # The table's bytes: half of fp32's at 2 bytes; D + 8 a row at int8 (D = 8 here).
+    rows, dim = packaged["embedding.weight"].shape
+    table_bytes = sum(
+        t.numel() * t.element_size() for n, t in packaged.items() if n.startswith("embedding.")
+    )
+    assert table_bytes == rows * (dim + 8 if precision == "int8" else dim * 2)
+    assert table_bytes <= 0.5 * rows * dim * 4
+    model_config = json.loads((out_dir / "model_config.json").read_text())
+    assert model_config["table_precision"] == precision
+
+    # The ONNX graph's table initializer is the compact one; no fp32 copy of the table.
+    graph = onnx.load(str(out_dir / "model.onnx")).graph
+    tables = {i.name: i for i in graph.initializer if list(i.dims[:1]) == [rows]}
+    onnx_type = {"fp16": "FLOAT16", "bf16": "BFLOAT16", "int8": "UINT8"}[precision]
+    assert tables["model.embedding.weight"].data_type == onnx.TensorProto.DataType.Value(onnx_type)
+    others = [t for name, t in tables.items() if name != "model.embedding.weight"]
+    assert all(list(t.dims) == [rows, 2] for t in others)  # only int8's scale and bias
+    assert {"Gather", "Cast"} <= {node.op_type for node in graph.node}
+    scripted = torch.jit.load(str(out_dir / "model.ts"))
+    assert scripted.state_dict()["model.embedding.weight"].dtype == dtype
+    card = (out_dir / "model_card.md").read_text()
+    assert f"at {precision}" in card
+
+
+@pytest.mark.slow
+def test_a_trained_int8_table_is_packaged_as_its_codes(
+    make_shards: Callable[..., Path], transform_path: Path, tmp_path: Path
+) -> None:
+    """One real (tiny) int8 training run: the consolidated model.safetensors holds the
+    shards' codes and grids as they are, never-admitted rows hold their feature's default
+    row quantized on its own grid, and the package scores within parity."""
+    shards = make_shards()
+    config = TrainConfig(
+        embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16], batch_size=32, max_steps=6,
+        world_size=1, zero_stage=0, table_precision="int8", admission_min_count=3,
+        tensorboard=False,
+    )  # fmt: skip
+    train_dir = tmp_path / "train"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    train_model(config, shards, train_dir, "cpu", port, env)
+    weights = load_file(str(train_dir / "model.safetensors"))
+    shard = load_file(
+        str(train_dir / "checkpoints" / "final" / "sparse-rank-00000-of-00001.safetensors")
+    )
+    assert json.loads((train_dir / "model_config.json").read_text())["table_precision"] == "int8"
+    codes, grids = weights["embedding.weight"], weights["embedding.scale_bias"]
+    assert codes.dtype == torch.uint8 and grids.dtype == torch.float32
+    admitted = shard["counts"] >= 3
+    assert 0 < int(admitted.sum()) < len(admitted)
+    assert torch.equal(codes[admitted], shard["weight"][admitted])
+    assert torch.equal(grids[admitted], shard["scale_bias"][admitted])
+    # user_id (rows 0..100) rows never admitted: its default row, to half a grid step.
+    defaults = weights["arch.default_rows"]
+    rejected = torch.nonzero(~admitted[:101])[:, 0]
+    decoded = decode_rows(codes[rejected], grids[rejected])
+    step = grids[rejected, :1]
+    assert ((decoded - defaults[0]).abs() <= step / 2 + 1e-6).all()
+
+    evaluated = evaluate_model(EvaluateConfig(), train_dir, shards, tmp_path / "evaluate")
+    assert evaluated.table_precision == "int8"
+    result = export_model(
+        ExportConfig(parity_rows=200), train_dir, transform_path, shards,
+        evaluated.metrics_path, tmp_path / "package",
+    )  # fmt: skip
+    assert result.parity_max_abs_diff_onnx <= 1e-5
+    assert result.parity_max_abs_diff_torchscript <= 1e-5
+    packaged = load_file(str(tmp_path / "package" / "model.safetensors"))
+    assert torch.equal(packaged["embedding.weight"], codes)
+
+
+def test_a_bf16_table_needs_an_opset_with_bfloat16(
+    shards_dir: Path, make_train_dir: Callable[..., Path], transform_path: Path, tmp_path: Path
+) -> None:
+    train_dir = make_train_dir(shards_dir, table_precision="bf16")
+    with pytest.raises(ConfigError, match="export.opset=12.*set export.opset: 13"):
+        export_model(
+            ExportConfig(opset=12), train_dir, transform_path, shards_dir, None, tmp_path / "p"
+        )
+    assert not (tmp_path / "p").exists()  # refused before anything was written

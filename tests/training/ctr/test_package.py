@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from artifacts.errors import ConfigError, DataError, InputNotFoundError
 from data_prep.ingest import IngestConfig, ingest_logs
@@ -89,13 +90,19 @@ print(json.dumps({
 """
 
 
-def _random_train_dir(train_dir: Path, shards_dir: Path) -> Path:
+def _random_train_dir(train_dir: Path, shards_dir: Path, table_precision: str = "fp32") -> Path:
     from safetensors.torch import save_file
 
     from training.config import TrainConfig
     from training.ctr.model import build_model, model_config_from
 
-    config = TrainConfig(interaction="dot", embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16])
+    config = TrainConfig(
+        interaction="dot",
+        embedding_dim=8,
+        bottom_mlp=[16, 8],
+        top_mlp=[16],
+        table_precision=table_precision,
+    )
     model_config = model_config_from(config, load_dataset_meta(shards_dir))
     torch.manual_seed(0)
     model = build_model(model_config)
@@ -474,3 +481,37 @@ def test_a_mismatched_evaluate_reference_fails_export(stages: dict, tmp_path: Pa
     (tampered / "scores_head.npy").unlink()
     with pytest.raises(InputNotFoundError, match="run evaluate"):
         export(tampered, "missing")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_a_compact_table_package_passes_infra_validation_against_evaluate(
+    stages: dict, precision: str, tmp_path: Path
+) -> None:
+    """train.table_precision: evaluate scores the model with its compact table, export
+    keeps the table compact, and the package's score.py reproduces evaluate's scores."""
+    train_dir = _random_train_dir(tmp_path / "train", stages["shards"], precision)
+    evaluated = evaluate_model(
+        EvaluateConfig(batch_size=50), train_dir, stages["shards"], tmp_path / "evaluate"
+    )
+    assert evaluated.table_precision == precision
+    metrics = json.loads(evaluated.metrics_path.read_text())
+    assert metrics["table_precision"] == precision
+    result = export_model(
+        stages["config"],
+        train_dir,
+        stages["transform"],
+        stages["shards"],
+        evaluated.metrics_path,
+        tmp_path / "package",
+        events_dir=stages["events"],
+        evaluate_dir=tmp_path / "evaluate",
+    )
+    assert result.parity_max_abs_diff_onnx <= 1e-5
+    infra = result.infra_validation
+    assert infra is not None and infra["max_abs_diff_vs_evaluate"] <= 1e-5
+    assert infra["max_abs_diff"] <= 1e-5 and infra["unseen_records"] == UNSEEN
+    weights = load_file(str(result.out_dir / "model.safetensors"))
+    dtype = {"fp16": torch.float16, "int8": torch.uint8}[precision]
+    assert weights["embedding.weight"].dtype == dtype
+    packaged_config = json.loads((result.out_dir / "model_config.json").read_text())
+    assert packaged_config["table_precision"] == precision
