@@ -43,17 +43,52 @@ warm-up run of each, so both start with warm page caches and built extensions):
 
 - recforge: `training.ctr.train.train_model`, the train stage's library entry that the
   `recforge run` train task calls with the same arguments: the DeepSpeed launcher, the
-  CTR worker, `train.embeddings: sharded`, on the shard directory above. Not `recforge
-  run` itself: ingest, preprocess and shard would have to be rerun for every table size
-  and only approximate the sizes through `hash_buckets`, while the train stage is what
-  is measured. The config is `TrainConfig`'s defaults (ZeRO 0, resume checkpoints every
-  600 s on) with the model above, `max_steps`, `log_every` and `tensorboard: false`.
-  Threads as shipped: what the train stage gives each rank (`threads_per_rank` in the
-  figures, from its `launch.json`; torch's default where it sets none), unless
-  `--recforge-threads` sets them (`train.threads_per_rank` where the config has that
-  field, and `OMP_NUM_THREADS`).
+  CTR worker, `train.embeddings: sharded`, on the shard directory above (`--via-cli`,
+  below: through `recforge run` instead). The config is `TrainConfig`'s defaults (its
+  ZeRO stage, resume checkpoints every 600 s on) with the model above, `max_steps`,
+  `log_every`, `table_precision` and `tensorboard: false`. Threads as shipped: what the
+  train stage gives each rank (`threads_per_rank` in the figures, from its
+  `launch.json`; torch's default where it sets none), unless `--recforge-threads` sets
+  them (`train.threads_per_rank` where the config has that field, and
+  `OMP_NUM_THREADS`).
 - TorchRec: this file re-run as `--torchrec-rank SPEC` in W processes (gloo), at each
   of `--torchrec-threads` (1 and 2 per rank); the faster is the one compared.
+
+Two modes, off by default, that combine with each other and with any cells:
+
+- `--table-precision fp16` (default fp32): both engines store the embedding rows in
+  fp16. recforge: `train.table_precision: fp16`. TorchRec: `data_type=DataType.FP16` on
+  each `EmbeddingBagConfig`, which torchrec 1.8's fused kernel (`BatchedFusedEmbeddingBag`)
+  hands to FBGEMM's CPU TBE as `weights_precision`. Both compute a row's update in fp32
+  and round it back stochastically (recforge always; FBGEMM's `stochastic_rounding`,
+  on by default), keep the row-wise Adagrad state in fp32 and give the dense side fp32
+  pooled embeddings. The figures keep their names; `table_precision` says which ran,
+  and each run says what held its rows (recforge's `table_precision` from its summary,
+  TorchRec's `table_dtype` read back from its sharded tables).
+- `--via-cli`: recforge runs as a new user runs it, `recforge run CONFIG --force train`
+  (`python -m flows.cli`): ingest, preprocess, shard, train, evaluate, export. CONFIG is
+  the shipped CTR config (`configs/demo.yaml`) with the bench's model, run length and
+  `--recforge-threads` over it (`cli_train_overrides`; the rest of `train` as it ships:
+  its ZeRO stage, precision, checkpoints, TensorBoard, seed), `generate` dropped, and a
+  schema of the cell's columns: each feature a `hash_buckets` field with the
+  cell's table size as its buckets (a hashed field has no OOV row, so the tables are the
+  cell's sizes exactly; the run stops if they are not). Its input is the cell's rows as
+  raw CSV logs (`ts`, ids, dense values, click; written once per data directory under
+  `--workdir`/cli/raw), so recforge trains on the time split's first 80% of them, hashed
+  (the shipped 10% valid, 10% test), while TorchRec reads all the rows as before; both
+  cycle. The artifact root is `--workdir`/cli/store (ingest, preprocess and shard are
+  cache hits after a cell's first run; evaluate and export run when the trained model
+  is new there), Prefect's home `--workdir`/cli/prefect unless PREFECT_HOME is set.
+  The untimed warm-up goes through `recforge run` too. Figures come from the train
+  output the run record names: `samples_per_s`, `step_ms` and per-rank `peak_rss_mb`
+  from the same progress windows as above (what the ratios use: TorchRec's figure
+  leaves the warm-up steps out too), and the stage's own `train_summary.json` figures
+  beside them (`summary_samples_per_s`, over every step, the first and slower ones
+  included; `ru_maxrss_mb_rank0`, rank 0's only; `rank0_startup_s`), with
+  `zero_stage` (what the shipped `train.zero_stage` came to), each stage's status and
+  seconds, the test `metrics` and the whole run's wall time (`run_s`).
+  `time_to_first_step_s` and its ratio are null: the launch happens inside the flow,
+  where no clock of this process sees it.
 
 Figures per cell and engine:
 
@@ -76,8 +111,9 @@ Figures per cell and engine:
 
 Last line, one JSON object: `vs_torchrec_<cell>` (recforge samples/s over TorchRec's,
 target >= 1.0), `rss_ratio_vs_torchrec_<cell>` (recforge's largest per-rank peak RSS
-over TorchRec's, target <= 1.1), `first_step_ratio_vs_torchrec_<cell>`, and every raw
-figure under `cells`. The machine is shared and noisy: only ratios within one run mean
+over TorchRec's, target <= 1.1), `first_step_ratio_vs_torchrec_<cell>`, every raw
+figure under `cells`, `table_precision`, and `recforge_entry` (the library entry, or
+`recforge run` under `--via-cli`). The machine is shared and noisy: only ratios within one run mean
 much, and `loadavg` says how busy it was.
 
 TorchRec is an optional peer, never installed by this script: `make peers` installs
@@ -94,6 +130,8 @@ Usage::
         --warmup-steps 10 --torchrec-threads 1     # the 1,000-slot cell, shorter
     .venv/bin/python bench/vs_torchrec.py --quick  # 50k/400k rows, 100 slots, 512 rows per
                                                    # rank, 30 steps, 1 thread: ~3 minutes
+    .venv/bin/python bench/vs_torchrec.py --cells 1m_1proc --table-precision fp16
+    .venv/bin/python bench/vs_torchrec.py --cells 1m_1proc,1m_2ranks --via-cli
 """
 
 from __future__ import annotations
@@ -119,10 +157,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 # First, so that `data_prep` is the package and not bench/data_prep.py beside this file.
@@ -140,6 +180,12 @@ PREFETCH_BATCHES = 4  # recforge's train.prefetch_batches default; the same for 
 # Values generated per Parquet chunk: bounds the writer's memory at 1,000 columns.
 CHUNK_VALUES = 8_000_000
 ROW_GROUP = 65_536
+
+# --via-cli: the CTR config that ships, whose defaults a new user's run takes.
+SHIPPED_CTR_CONFIG = REPO / "configs" / "demo.yaml"
+# The raw logs' first event time (unix seconds); one second per row after it.
+RAW_FIRST_TS = 1_700_000_000
+TABLE_PRECISIONS = ("fp32", "fp16")
 
 CELLS = ("1m_1proc", "1m_2ranks", "20m_1proc", "20m_2ranks", "1000slots_2ranks")
 PEER_MODULES = ("torchrec", "fbgemm_gpu", "tensordict")
@@ -271,7 +317,13 @@ def base_env() -> dict[str, str]:
 
 
 def run_recforge(
-    cell: Cell, steps: int, warmup: int, log_every: int, threads: int | None, out: Path
+    cell: Cell,
+    steps: int,
+    warmup: int,
+    log_every: int,
+    threads: int | None,
+    table_precision: str,
+    out: Path,
 ) -> dict[str, Any]:
     """Train `cell` with recforge's train stage; its steady-state figures."""
     # Imported here, not at the top: the TorchRec ranks run this file too and must not
@@ -293,6 +345,7 @@ def run_recforge(
         max_steps=steps,
         log_every=log_every,
         tensorboard=False,
+        table_precision=table_precision,
     )
     env = base_env()
     if threads is not None:
@@ -312,12 +365,36 @@ def run_recforge(
     launch_to_exit = time.time() - started
     records = [json.loads(line) for line in (out / TRAIN_LOG_FILE).read_text().splitlines()]
     samples_per_window = log_every * cell.batch_size * cell.world_size
-    steady = [r for r in records if r["step"] > warmup] or records[-1:]
-    seconds = [samples_per_window / r["samples_per_s"] for r in steady]
     # The first record's window began when the step loop did.
     arrived, first = first_record[0]
     loop_start = arrived - samples_per_window / first["samples_per_s"]
     summary = json.loads((out / SUMMARY_FILE).read_text())
+    return {
+        **steady_figures(records, warmup, samples_per_window, cell.world_size),
+        "ru_maxrss_mb_rank0": round(summary["peak_rss_mb_rank0"], 1),
+        "time_to_first_step_s": round(loop_start - started, 1),
+        # Rank 0's own split of it from its process start (trees without it: null).
+        "rank0_startup_s": summary.get("startup_s"),
+        "launch_to_exit_s": round(launch_to_exit, 1),
+        "final_loss": round(summary["final_loss"], 4),
+        "threads_per_rank": rank_threads(json.loads((out / LAUNCH_FILE).read_text()), env),
+        "table_precision": summary.get("table_precision", "fp32"),
+    }
+
+
+def steady_figures(
+    records: list[dict[str, Any]], warmup: int, samples_per_window: int, world_size: int
+) -> dict[str, Any]:
+    """Samples/s and phase ms over the progress windows after `warmup`; peak RSS per rank.
+
+    Args:
+        records: `train_log.jsonl`'s progress records, one per `log_every` steps.
+        warmup: Steps left out (a multiple of `log_every`).
+        samples_per_window: Samples of all ranks in one window.
+        world_size: Ranks (the length of each record's `rss_mb`).
+    """
+    steady = [r for r in records if r["step"] > warmup] or records[-1:]
+    seconds = [samples_per_window / r["samples_per_s"] for r in steady]
     # Every window has log_every steps: the mean of the windows is the mean step.
     phase_ms = {
         phase: sum(r["step_ms"][phase] for r in steady) / len(steady)
@@ -326,14 +403,7 @@ def run_recforge(
     return {
         "samples_per_s": round(len(steady) * samples_per_window / sum(seconds)),
         "step_ms": with_total(phase_ms),
-        "peak_rss_mb": [max(r["rss_mb"][rank] for r in records) for rank in range(cell.world_size)],
-        "ru_maxrss_mb_rank0": round(summary["peak_rss_mb_rank0"], 1),
-        "time_to_first_step_s": round(loop_start - started, 1),
-        # Rank 0's own split of it from its process start (trees without it: null).
-        "rank0_startup_s": summary.get("startup_s"),
-        "launch_to_exit_s": round(launch_to_exit, 1),
-        "final_loss": round(summary["final_loss"], 4),
-        "threads_per_rank": rank_threads(json.loads((out / LAUNCH_FILE).read_text()), env),
+        "peak_rss_mb": [max(r["rss_mb"][rank] for r in records) for rank in range(world_size)],
     }
 
 
@@ -344,6 +414,202 @@ def rank_threads(spec: dict[str, Any], env: dict[str, str]) -> int | str:
     if env.get("OMP_NUM_THREADS"):
         return int(env["OMP_NUM_THREADS"])
     return f"torch default ({torch.get_num_threads()})"
+
+
+# -- recforge as a user runs it: `recforge run` (--via-cli) -----------------------------
+
+
+def write_raw_logs(data_dir: Path, raw_root: Path) -> Path:
+    """The shard directory's rows as raw CSV logs that `recforge run` ingests; kept if written.
+
+    One CSV per Parquet file, in file order, as `recforge generate` writes its logs: a
+    `ts` column first (one second per row, so that preprocess's time split keeps the
+    order), then the ids, the dense values and the click as an integer. `done.json` (a
+    copy of `dataset.json`) is written last, beside the `events/` folder ingest reads.
+
+    Args:
+        data_dir: The cell's shard directory (`write_shard_dir`).
+        raw_root: Where the raw logs of every cell go; this one's under `data_dir`'s name.
+
+    Returns:
+        The `events/` folder: the pipeline's `ingest.path`.
+    """
+    dataset = json.loads((data_dir / "dataset.json").read_text())
+    raw = raw_root / data_dir.name
+    events, done = raw / "events", raw / "done.json"
+    if done.is_file() and json.loads(done.read_text()) == dataset:
+        return events
+    shutil.rmtree(raw, ignore_errors=True)
+    events.mkdir(parents=True)
+    first_row = 0
+    for file in dataset["splits"]["train"]["files"]:
+        table = pq.read_table(data_dir / file["path"])
+        rows = table.num_rows
+        columns = {"ts": pa.array(RAW_FIRST_TS + first_row + np.arange(rows, dtype=np.int64))}
+        columns |= {f["name"]: table[f["name"]] for f in dataset["sparse"]}
+        columns |= {name: table[name].cast(pa.float64()) for name in dataset["dense"]}
+        columns[dataset["label"]] = table[dataset["label"]].cast(pa.int64())
+        pa_csv.write_csv(pa.table(columns), events / Path(file["path"]).with_suffix(".csv"))
+        first_row += rows
+    done.write_text(json.dumps(dataset))
+    return events
+
+
+def cli_train_overrides(
+    cell: Cell, steps: int, log_every: int, table_precision: str, threads: int | None
+) -> dict[str, Any]:
+    """The `train` fields the bench sets over the shipped CTR config: its model and run length.
+
+    Everything else (ZeRO stage, precision, checkpoints, TensorBoard, seed, threads unless
+    `threads` is given) stays as `SHIPPED_CTR_CONFIG` ships it.
+    """
+    overrides: dict[str, Any] = {
+        "interaction": "dot",
+        "embedding_dim": EMBEDDING_DIM,
+        "bottom_mlp": BOTTOM_MLP,
+        "top_mlp": TOP_MLP,
+        "batch_size": cell.batch_size,
+        "lr": DENSE_LR,
+        # The bench's model trains at a constant learning rate on both engines.
+        "warmup_steps": 0,
+        "sparse_optimizer": "rowwise_adagrad",
+        "sparse_lr": SPARSE_LR,
+        "world_size": cell.world_size,
+        "max_steps": steps,
+        "log_every": log_every,
+        "table_precision": table_precision,
+    }
+    if threads is not None:
+        overrides["threads_per_rank"] = threads
+    return overrides
+
+
+def write_pipeline_config(
+    cell: Cell, events: Path, train_overrides: dict[str, Any], path: Path
+) -> Path:
+    """The shipped CTR config with the bench's schema, raw logs and model; written to `path`.
+
+    The schema names the raw columns of `write_raw_logs`: one `hash_buckets` sparse field
+    per feature with the cell's table size as its buckets (so that recforge's tables have
+    the cell's sizes exactly: a hashed field has no OOV row), the dense values, the click
+    label. `generate` is dropped (the logs are the bench's) and `num_cross_layers` (the
+    model uses the dot interaction); every other section is the shipped one.
+    """
+    shipped = yaml.safe_load(SHIPPED_CTR_CONFIG.read_text())
+    dataset = json.loads((cell.data_dir / "dataset.json").read_text())
+    fields: list[dict[str, Any]] = [{"name": "ts", "dtype": "int64", "role": "timestamp"}]
+    fields += [
+        {"name": f["name"], "dtype": "int64", "role": "sparse", "hash_buckets": f["num_embeddings"]}
+        for f in dataset["sparse"]
+    ]
+    fields += [{"name": name, "dtype": "float64", "role": "dense"} for name in dataset["dense"]]
+    fields.append({"name": dataset["label"], "dtype": "int64", "role": "label"})
+    train = {k: v for k, v in shipped["train"].items() if k != "num_cross_layers"}
+    name = f"vs-torchrec-{cell.name}"
+    config = {k: v for k, v in shipped.items() if k != "generate"}
+    config |= {
+        "name": name,
+        "schema": {"fields": fields},
+        "ingest": {**shipped.get("ingest", {}), "path": str(events)},
+        "train": {**train, **train_overrides},
+        # A registry entry per cell: the blessing gate compares like with like.
+        "export": {**shipped.get("export", {}), "model_name": name},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def run_recforge_cli(
+    cell: Cell,
+    steps: int,
+    warmup: int,
+    log_every: int,
+    threads: int | None,
+    table_precision: str,
+    workdir: Path,
+    out: Path,
+) -> dict[str, Any]:
+    """Train `cell` through `recforge run CONFIG --force train`; its train stage's figures.
+
+    The pipeline config (`write_pipeline_config`) goes to `out/pipeline.yaml`, the raw
+    logs under `workdir/raw`, the artifact root is `workdir/store` and Prefect's home
+    `workdir/prefect` (unless PREFECT_HOME is set), so the bench's runs stay out of the
+    user's. Ingest, preprocess and shard are cache hits after the first run on a cell's
+    data; train always runs (`--force train`); evaluate and export run when the trained
+    model is new to the root. The figures come from the train output the run record
+    names: `train_summary.json` and the progress windows of `train_log.jsonl` (the
+    windows the library mode reads).
+
+    Raises:
+        RuntimeError: `recforge run` failed (with the tail of its stderr), or its run
+            record says the train stage did not run.
+    """
+    from training.runtime.files import LAUNCH_FILE, SUMMARY_FILE, TRAIN_LOG_FILE
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    events = write_raw_logs(cell.data_dir, workdir / "raw")
+    overrides = cli_train_overrides(cell, steps, log_every, table_precision, threads)
+    config_path = write_pipeline_config(cell, events, overrides, out / "pipeline.yaml")
+    env = base_env()
+    env.setdefault("PREFECT_HOME", str(workdir / "prefect"))
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    command = [sys.executable, "-m", "flows.cli", "run", str(config_path)]
+    command += ["--root", str(workdir / "store"), "--force", "train"]
+    started = time.time()
+    with (out / "stdout.log").open("wb") as stdout, (out / "stderr.log").open("wb") as stderr:
+        finished = subprocess.run(command, cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+    run_s = time.time() - started
+    if finished.returncode != 0:
+        tail = (out / "stderr.log").read_text(errors="replace").splitlines()[-25:]
+        raise RuntimeError(
+            f"`{' '.join(command)}` exited with {finished.returncode} (logs in {out}):\n"
+            + "\n".join(tail)
+        )
+    # The run record's path is the last line `recforge run` prints.
+    record_path = Path((out / "stdout.log").read_text().split()[-1])
+    record = json.loads(record_path.read_text())
+    train = record["stages"]["train"]
+    if train["status"] != "ran":
+        raise RuntimeError(f"{record_path}: the train stage was {train['status']}, not ran")
+    train_dir = Path(train["output"])
+    records = [json.loads(line) for line in (train_dir / TRAIN_LOG_FILE).read_text().splitlines()]
+    summary = json.loads((train_dir / SUMMARY_FILE).read_text())
+    samples_per_window = log_every * cell.batch_size * cell.world_size
+    # The launch spec, wherever in its output the stage keeps it.
+    launch_specs = sorted(train_dir.rglob(LAUNCH_FILE))
+    launch = json.loads(launch_specs[0].read_text()) if launch_specs else {}
+    table_sizes = launch.get("model_config", {}).get("table_sizes")
+    if table_sizes is not None and tuple(table_sizes) != cell.table_sizes:
+        raise RuntimeError(
+            f"{train_dir}: recforge's tables have {sum(table_sizes):,} rows, not the cell's "
+            f"{sum(cell.table_sizes):,}: the hash_buckets schema no longer sets the table sizes"
+        )
+    return {
+        **steady_figures(records, warmup, samples_per_window, cell.world_size),
+        # The train stage's own figure, over every step (the first, slower ones too).
+        "summary_samples_per_s": round(summary["samples_per_s"]),
+        "ru_maxrss_mb_rank0": round(summary["peak_rss_mb_rank0"], 1),
+        # The launch is inside the flow: no clock outside it sees the first step start.
+        "time_to_first_step_s": None,
+        "rank0_startup_s": summary.get("startup_s"),
+        "train_stage_s": round(train["seconds"], 1),
+        "run_s": round(run_s, 1),
+        "stages": {
+            stage: {k: info[k] for k in ("status", "seconds") if k in info}
+            for stage, info in record["stages"].items()
+        },
+        "metrics": record.get("metrics", {}),
+        "final_loss": round(summary["final_loss"], 4),
+        "threads_per_rank": rank_threads(launch, env),
+        # What the shipped config's train.zero_stage came to (the DeepSpeed config's).
+        "zero_stage": launch.get("ds_config", {}).get("zero_optimization", {}).get("stage"),
+        "table_precision": summary.get("table_precision", "fp32"),
+        "pipeline_config": str(config_path),
+        "run_record": str(record_path),
+    }
 
 
 # -- TorchRec: the parent's side --------------------------------------------------------
@@ -364,7 +630,13 @@ def peer_versions() -> dict[str, str | None]:
 
 
 def run_torchrec(
-    cell: Cell, steps: int, warmup: int, log_every: int, threads: int, out: Path
+    cell: Cell,
+    steps: int,
+    warmup: int,
+    log_every: int,
+    threads: int,
+    table_precision: str,
+    out: Path,
 ) -> dict[str, Any]:
     """Train `cell` with TorchRec in `cell.world_size` rank processes; rank 0's figures."""
     shutil.rmtree(out, ignore_errors=True)
@@ -376,6 +648,7 @@ def run_torchrec(
         "warmup": warmup,
         "log_every": log_every,
         "threads": threads,
+        "table_precision": table_precision,
         "out": str(out),
     }
     spec_path = out / "spec.json"
@@ -422,6 +695,8 @@ def run_torchrec(
         "final_loss": first["final_loss"],
         "threads_per_rank": threads,
         "tables_per_rank": [r["tables"] for r in results],
+        # What FBGEMM's kernels hold the rows in, read back from the sharded tables.
+        "table_dtype": sorted({dtype for r in results for dtype in r["table_dtypes"]}),
     }
 
 
@@ -520,7 +795,8 @@ def torchrec_rank(spec_path: Path) -> None:
     torch.manual_seed(0)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -534,12 +810,17 @@ def torchrec_rank(spec_path: Path) -> None:
 
     data_dir = Path(spec["data_dir"])
     dataset = json.loads((data_dir / "dataset.json").read_text())
+    # The fused kernel (FBGEMM's CPU TBE) stores the rows at the table's data_type and
+    # rounds each row update back to it stochastically (its default), as recforge does;
+    # the optimizer state stays fp32 and the pooled output is fp32 on both engines.
+    data_type = {"fp32": DataType.FP32, "fp16": DataType.FP16}[spec["table_precision"]]
     tables = [
         EmbeddingBagConfig(
             name=f"t_{feature['name']}",
             embedding_dim=EMBEDDING_DIM,
             num_embeddings=feature["num_embeddings"],
             feature_names=[feature["name"]],
+            data_type=data_type,
         )
         for feature in dataset["sparse"]
     ]
@@ -581,6 +862,14 @@ def torchrec_rank(spec_path: Path) -> None:
         rank in (sharding.ranks or [])
         for module_plan in plan.plan.values()
         for sharding in module_plan.values()
+    )
+    table_dtypes = sorted(
+        {
+            str(shard.tensor.dtype).removeprefix("torch.")
+            for name, value in dmp.state_dict().items()
+            if name.endswith(".weight") and isinstance(value, ShardedTensor)
+            for shard in value.local_shards()
+        }
     )
     # The sharded EBC's forward, all-to-alls included: SparseArch waits for its output.
     lookup = PhaseTimer()
@@ -626,6 +915,7 @@ def torchrec_rank(spec_path: Path) -> None:
     result = {
         "rank": rank,
         "tables": own_tables,
+        "table_dtypes": table_dtypes,
         "samples_per_s": steady_steps * batch_size * world_size / steady_seconds,
         "step_ms": with_total(step_ms),
         "peak_rss_mb": round(max(rss_samples, default=rss_mb()), 1),
@@ -692,6 +982,19 @@ def main() -> None:
         default=None,
         help="OMP_NUM_THREADS for recforge's ranks (default: as shipped, torch's default)",
     )
+    parser.add_argument(
+        "--table-precision",
+        choices=TABLE_PRECISIONS,
+        default="fp32",
+        help="embedding rows of both engines: recforge's train.table_precision, TorchRec's "
+        "EmbeddingBagConfig.data_type",
+    )
+    parser.add_argument(
+        "--via-cli",
+        action="store_true",
+        help="run recforge through `recforge run` on the shipped CTR config (ingest, "
+        "preprocess, shard, train, ...) instead of its train stage's library entry",
+    )
     parser.add_argument("--recforge-only", action="store_true", help="no TorchRec; no ratios")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
     parser.add_argument("--quick", action="store_true", help="small tables, few steps")
@@ -719,23 +1022,27 @@ def main() -> None:
     loadavg_before = os.getloadavg()
     cells = build_cells(args, args.steps)
     runs = args.workdir / "runs"
+    precision = args.table_precision
+
+    def recforge_run(cell: Cell, steps: int, warmup: int, every: int, out: Path) -> dict[str, Any]:
+        threads = args.recforge_threads
+        if args.via_cli:
+            return run_recforge_cli(
+                cell, steps, warmup, every, threads, precision, args.workdir / "cli", out
+            )
+        return run_recforge(cell, steps, warmup, every, threads, precision, out)
 
     if not args.no_warmup:
         first = cells[0]
-        run_recforge(first, 4, 0, 2, args.recforge_threads, runs / "warmup-recforge")
+        recforge_run(first, 4, 0, 2, runs / "warmup-recforge")
         if not args.recforge_only:
-            run_torchrec(first, 4, 0, 2, thread_counts[0], runs / "warmup-torchrec")
+            run_torchrec(first, 4, 0, 2, thread_counts[0], precision, runs / "warmup-torchrec")
 
     figures: dict[str, Any] = {}
     cell_figures: dict[str, Any] = {}
     for cell in cells:
-        recforge = run_recforge(
-            cell,
-            args.steps,
-            args.warmup_steps,
-            log_every,
-            args.recforge_threads,
-            runs / cell.name / "recforge",
+        recforge = recforge_run(
+            cell, args.steps, args.warmup_steps, log_every, runs / cell.name / "recforge"
         )
         print(f"{cell.name} recforge {json.dumps(recforge)}", flush=True)
         entry: dict[str, Any] = {"recforge": recforge, "rows": sum(cell.table_sizes)}
@@ -748,6 +1055,7 @@ def main() -> None:
                     args.warmup_steps,
                     log_every,
                     threads,
+                    precision,
                     runs / cell.name / f"torchrec-{threads}t",
                 )
                 print(
@@ -763,8 +1071,11 @@ def main() -> None:
             figures[f"rss_ratio_vs_torchrec_{cell.name}"] = ratio(
                 max(recforge["peak_rss_mb"]), max(torchrec["peak_rss_mb"])
             )
-            figures[f"first_step_ratio_vs_torchrec_{cell.name}"] = ratio(
-                recforge["time_to_first_step_s"], torchrec["time_to_first_step_s"]
+            # None under --via-cli: the launch is inside the flow.
+            figures[f"first_step_ratio_vs_torchrec_{cell.name}"] = (
+                ratio(recforge["time_to_first_step_s"], torchrec["time_to_first_step_s"])
+                if recforge["time_to_first_step_s"] is not None
+                else None
             )
         else:
             for prefix in ("vs_torchrec", "rss_ratio_vs_torchrec", "first_step_ratio_vs_torchrec"):
@@ -777,16 +1088,23 @@ def main() -> None:
         for engine in ("recforge", "torchrec"):
             if engine in entry:
                 run = entry[engine]
+                first_step = run["time_to_first_step_s"]
                 print(
                     f"{name:<17} {engine:<9} {run['samples_per_s']:>9,} "
                     f"{run['step_ms']['total']:>8.1f}  {max(run['peak_rss_mb']):>16,.0f}"
-                    f"  {run['time_to_first_step_s']:>12.1f}"
+                    f"  {'-' if first_step is None else f'{first_step:.1f}':>12}"
                 )
     if args.recforge_only:
         print("recforge only (--recforge-only): no TorchRec run, every ratio is null")
     figures.update(
         {
             "cells": cell_figures,
+            "table_precision": precision,
+            "recforge_entry": (
+                f"recforge run ({SHIPPED_CTR_CONFIG.relative_to(REPO)})"
+                if args.via_cli
+                else "training.ctr.train.train_model"
+            ),
             "steps": args.steps,
             "warmup_steps": args.warmup_steps,
             "batch_size_per_rank": args.batch_size,

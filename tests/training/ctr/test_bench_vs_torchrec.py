@@ -1,8 +1,10 @@
 """bench/vs_torchrec.py's --quick mode, run so that the peer bench cannot rot.
 
 recforge's side always runs (the 2-rank wide cell: the exchange and 100 slots, in
-~20 s); TorchRec's side only where the `peers` extra is installed (`make peers`), which a
-fresh clone's `make test` does not do.
+~20 s; and `--via-cli --table-precision fp16` through `recforge run`, ~1 min); TorchRec's
+side only where the `peers` extra is installed (`make peers`), which a fresh clone's
+`make test` does not do. The pipeline config `--via-cli` writes is checked without
+training, fast.
 """
 
 from __future__ import annotations
@@ -13,11 +15,26 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
 import pytest
+
+from flows.config import load_config
 
 BENCH = Path(__file__).resolve().parents[3] / "bench" / "vs_torchrec.py"
 PHASES = {"data", "lookup", "dense", "optimizer", "total"}
+
+
+def load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("vs_torchrec", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # @dataclass looks the module up while it runs (for its string annotations).
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_quick(workdir: Path, *flags: str) -> dict:
@@ -57,9 +74,92 @@ def test_quick_recforge_side_reports_every_figure(tmp_path: Path) -> None:
     importlib.util.find_spec("torchrec") is None or importlib.util.find_spec("fbgemm_gpu") is None,
     reason="the peers extra (make peers) is not installed",
 )
-def test_quick_against_torchrec_gives_ratios(tmp_path: Path) -> None:
-    figures = run_quick(tmp_path, "--cells", "1m_1proc")
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", "float32"), ("fp16", "float16")])
+def test_quick_against_torchrec_gives_ratios(tmp_path: Path, precision: str, dtype: str) -> None:
+    figures = run_quick(tmp_path, "--cells", "1m_1proc", "--table-precision", precision)
     assert figures["vs_torchrec_1m_1proc"] > 0
     assert figures["rss_ratio_vs_torchrec_1m_1proc"] > 0
-    torchrec = figures["cells"]["1m_1proc"]["torchrec"]
+    assert figures["table_precision"] == precision
+    cell = figures["cells"]["1m_1proc"]
+    torchrec = cell["torchrec"]
     assert torchrec["samples_per_s"] > 0 and torchrec["tables_per_rank"] == [8]
+    # Both engines held their rows at the precision asked for, not just configured it.
+    assert torchrec["table_dtype"] == [dtype]
+    assert cell["recforge"]["table_precision"] == precision
+
+
+def test_via_cli_config_is_the_shipped_one_with_the_bench_model(tmp_path: Path) -> None:
+    bench = load_bench()
+    sizes = bench.split_rows(1000, 3)
+    data_dir = bench.write_shard_dir(tmp_path / "data" / "d", sizes, 64)
+    cell = bench.Cell("1m_2ranks", tuple(sizes), 2, 8, data_dir)
+    events = bench.write_raw_logs(data_dir, tmp_path / "raw")
+    overrides = bench.cli_train_overrides(cell, 10, 5, "fp16", None)
+    config = load_config(
+        bench.write_pipeline_config(cell, events, overrides, tmp_path / "pipeline.yaml")
+    )
+    shipped = load_config(bench.SHIPPED_CTR_CONFIG)
+
+    # One hashed field per feature, its buckets the cell's table size: no OOV row.
+    sparse = config.schema_.by_role("sparse")
+    assert [f.name for f in sparse] == ["f0", "f1", "f2"]
+    assert [f.hash_buckets for f in sparse] == [334, 333, 333]
+    assert [f.name for f in config.schema_.by_role("dense")] == ["d0", "d1"]
+    assert config.ingest.path == str(events)
+    train = config.train
+    assert (train.interaction, train.embedding_dim, train.bottom_mlp, train.top_mlp) == (
+        "dot",
+        16,
+        [32, 16],
+        [64, 32],
+    )
+    assert (train.batch_size, train.world_size, train.max_steps, train.log_every) == (8, 2, 10, 5)
+    assert (train.lr, train.sparse_lr, train.table_precision) == (1e-3, 0.05, "fp16")
+    # What the bench does not set is what a user gets: the ZeRO stage above all.
+    for field in ("zero_stage", "precision", "checkpoint_every", "tensorboard", "seed"):
+        assert getattr(train, field) == getattr(shipped.train, field), field
+    assert train.threads_per_rank == shipped.train.threads_per_rank
+    assert (config.preprocess, config.shard) == (shipped.preprocess, shipped.shard)
+
+    # The raw logs are every row of the shard directory, in order, timestamped.
+    raw = [pa_csv.read_csv(path) for path in sorted(events.glob("*.csv"))]
+    shards = [pq.read_table(path) for path in sorted(data_dir.glob("*.parquet"))]
+    assert len(raw) == len(shards) == 4
+    for csv_table, shard in zip(raw, shards, strict=True):
+        assert csv_table.column_names == ["ts", "f0", "f1", "f2", "d0", "d1", "click"]
+        assert csv_table["f1"].to_pylist() == shard["f1"].to_pylist()
+        assert csv_table["click"].to_pylist() == [int(c) for c in shard["click"].to_pylist()]
+    ts = [t for table in raw for t in table["ts"].to_pylist()]
+    assert ts == sorted(set(ts)) and len(ts) == 64
+    # Written once per data directory: a second call finds them.
+    written = {path: path.stat().st_mtime_ns for path in events.glob("*.csv")}
+    assert bench.write_raw_logs(data_dir, tmp_path / "raw") == events
+    assert {path: path.stat().st_mtime_ns for path in events.glob("*.csv")} == written
+
+
+@pytest.mark.slow
+def test_quick_via_cli_trains_through_recforge_run(tmp_path: Path) -> None:
+    cell = "1m_2ranks"
+    figures = run_quick(
+        tmp_path, "--via-cli", "--table-precision", "fp16", "--recforge-only", "--cells", cell
+    )
+    assert figures["recforge_entry"] == "recforge run (configs/demo.yaml)"
+    assert figures["table_precision"] == "fp16"
+    assert figures[f"vs_torchrec_{cell}"] is None
+    recforge = figures["cells"][cell]["recforge"]
+    # A fresh root: every stage ran, train from the run record's own output.
+    assert {stage: info["status"] for stage, info in recforge["stages"].items()} == dict.fromkeys(
+        ("ingest", "preprocess", "shard", "train", "evaluate", "export"), "ran"
+    )
+    assert recforge["samples_per_s"] > 0 and recforge["summary_samples_per_s"] > 0
+    assert len(recforge["peak_rss_mb"]) == 2 and min(recforge["peak_rss_mb"]) > 0
+    assert recforge["table_precision"] == "fp16" and recforge["time_to_first_step_s"] is None
+    assert 0 < recforge["metrics"]["auc"] < 1
+    record = json.loads(Path(recforge["run_record"]).read_text())
+    assert record["status"] == "completed"
+    assert record["stages"]["train"]["table_precision"] == "fp16"
+    # The shipped ZeRO stage, or what its planner picked.
+    shipped_stage = load_config(load_bench().SHIPPED_CTR_CONFIG).train.zero_stage
+    assert recforge["zero_stage"] == shipped_stage or (
+        shipped_stage == "auto" and recforge["zero_stage"] in (0, 1, 2, 3)
+    )
