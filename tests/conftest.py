@@ -30,6 +30,18 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared" / "datasets"
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the compact tables' row-update kernel once, before any test times a rank.
+
+    It is built on first use (~30 s on 2 cores, then cached in TORCH_EXTENSIONS_DIR); in
+    a fresh clone that first use would otherwise fall inside a test that launches ranks
+    under a timeout.
+    """
+    from training.ctr.kernels import rounding_kernel
+
+    rounding_kernel()
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """One temporary Prefect API for every flow test (starting one takes ~14 s)."""

@@ -63,6 +63,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from training.ctr.kernels import rounding_kernel, subtract_rows
+
 # Rows drawn per RNG chunk at init; fixed so init does not depend on the world size.
 INIT_CHUNK_ROWS = 1 << 16
 ADAGRAD_EPS = 1e-8
@@ -684,6 +686,8 @@ class ShardedEmbedding:
         self.table_precision = table_precision
         rows = init_table(self.table_sizes, embedding_dim, seed, rank, world_size, table_precision)
         self.weight = rows["weight"]
+        if table_precision != "fp32":
+            rounding_kernel()  # built (or found built) now, not in the first step
         # int8 rows' (scale, bias) per row; None at the other precisions.
         self.scale_bias: torch.Tensor | None = rows.get(SCALE_BIAS)
         local = self.weight.shape[0]
@@ -919,7 +923,16 @@ class ShardedEmbedding:
             self.weight.index_copy_(0, rows, self.weight.index_select(0, rows).sub_(update))
             return
         # Compact rows: the new value in fp32, rounded back stochastically with bits of
-        # the global rows (local row r of rank k is global row r * W + k).
+        # the global rows (local row r of rank k is global row r * W + k). The compiled
+        # kernel does it in one pass; the torch ops below compute bitwise the same.
+        if not subtract_rows(
+            self.weight, self.scale_bias, rows, update, self.world_size, self.rank,
+            self.seed, self.steps,
+        ):  # fmt: skip
+            self._subtract_rows_torch(rows, update)
+
+    def _subtract_rows_torch(self, rows: torch.Tensor, update: torch.Tensor) -> None:
+        """`_subtract_rows` of compact rows as torch ops (the kernel's reference)."""
         new = self._read_rows(rows).sub_(update)  # (Ru, D)
         bits = rounding_bits(
             self.seed, self.steps, rows * self.world_size + self.rank, self.embedding_dim
