@@ -288,7 +288,14 @@ def test_the_pinned_best_checkpoint_survives_remote_retention_and_comes_back_wit
 
 
 # Killed at its first checkpoint in S3; the ranks it orphans are stopped by the test.
-RESUMABLE = ["train.max_steps=40", "train.checkpoint_every=10", "train.log_every=10"]
+# ZeRO 2 as tiny.yaml had it: test_scaleout's 2-node runs must equal its 1-node reference
+# bitwise, and auto picks 0 on one node but not over several (TrainConfig.zero_stages).
+RESUMABLE = [
+    "train.max_steps=40",
+    "train.checkpoint_every=10",
+    "train.log_every=10",
+    "train.zero_stage=2",
+]
 
 
 def recforge_run(
