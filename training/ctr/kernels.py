@@ -12,14 +12,13 @@ The extension is built on first use with torch's JIT builder (as DeepSpeed build
 CPU ops), into `TORCH_EXTENSIONS_DIR`, and kept there. It computes exactly what the torch
 path computes, bitwise (tests/training/ctr/test_kernels.py); where it cannot be built (no
 compiler), the engine logs why once and takes the torch path, which is slower, not
-different. `RECFORGE_TORCH_ROUNDING=1` forces the torch path.
+different.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -28,15 +27,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rounding.cpp")
-# Set to 1 to take the torch path (a benchmark's baseline, or a machine without a compiler).
-TORCH_ROUNDING_ENV = "RECFORGE_TORCH_ROUNDING"
 
 
 @functools.cache
 def rounding_kernel() -> ModuleType | None:
     """The compiled extension, built on first use; None where it cannot be built."""
-    if os.environ.get(TORCH_ROUNDING_ENV) == "1":
-        return None
     try:
         from torch.utils.cpp_extension import load
 

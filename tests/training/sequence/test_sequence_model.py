@@ -460,6 +460,8 @@ def pipeline_spec(
 ) -> PipelineSpec:
     """The spec the train stage would write for TRAIN (synthetic data unless sequences_dir)."""
     sequence = {**TRAIN["sequence"], **train.pop("sequence", {})}
+    # The train stage resolves zero_stage: auto before it builds a spec (0 for these).
+    train.setdefault("zero_stage", 0)
     config = TrainConfig(
         **{**TRAIN, "sequence": sequence, **train},
         pipeline_stages=num_stages,
