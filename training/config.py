@@ -860,17 +860,18 @@ class TrainConfig(BaseModel):
         An explicit `zero_stage` is the only one. 'auto' leaves the train stage's planner
         to pick the first that fits the memory budget: the sequence models' pipeline
         engine runs ZeRO 0 or 1 only; offload_optimizer needs a partitioned optimizer
-        (1 or more); the CTR models may take any of 0-3, but not 0 over several nodes:
-        a 2-node run without a shared disk, killed and resumed at ZeRO 0, failed its
-        final checkpoint's exchange (DeepSpeed's mp_rank_00_model_states.pt "written by
-        two nodes with different sizes"; found when auto became the default, the cause
-        not yet pinned down; the multi-node tests had run ZeRO 2).
+        (1 or more); the CTR models may take any of 0-3. Where the ranks run (nodes)
+        does not enter: a resume must not depend on it. Over several nodes without a
+        shared disk set the stage to 1 or more: a 2-node ZeRO-0 run, killed and
+        resumed, failed its final checkpoint's exchange (DeepSpeed's
+        mp_rank_00_model_states.pt "written by two nodes with different sizes"; found
+        when auto became the default, not yet pinned down).
         """
         if self.zero_stage != "auto":
             return (self.zero_stage,)
         if self.model in SEQUENCE_MODELS:
             return (0, 1)
-        return (1, 2, 3) if self.offload_optimizer or self.nodes > 1 else (0, 1, 2, 3)
+        return (1, 2, 3) if self.offload_optimizer else (0, 1, 2, 3)
 
     def global_batch_size(self, world_size: int | None = None) -> int:
         """Samples per optimizer step over all ranks.

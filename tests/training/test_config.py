@@ -141,9 +141,6 @@ def test_zero_stage_is_auto_by_default_and_lists_the_stages_it_may_pick() -> Non
     assert TrainConfig(zero_stage=2).zero_stages() == (2,)
     # offload_optimizer needs a partitioned optimizer: auto starts at 1.
     assert TrainConfig(offload_optimizer=True).zero_stages() == (1, 2, 3)
-    # Not ZeRO 0 over several nodes: its model-states file is written once per node.
-    two_nodes = TrainConfig(world_size=2, nodes=2, launcher="per_node")
-    assert two_nodes.zero_stages() == (1, 2, 3)
     # The pipeline engine runs ZeRO 0 or 1: auto passes its check and picks from those.
     sasrec = TrainConfig(model="sasrec", pipeline_stages=2, world_size=2)
     assert sasrec.zero_stage == "auto" and sasrec.zero_stages() == (0, 1)
