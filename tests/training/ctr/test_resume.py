@@ -212,7 +212,9 @@ def test_timed_checkpoints_alone_save_mid_run_and_a_default_run_resumes_from_one
     shards_dir, expected = reference
     root = tmp_path / "resume"
     # Neither trigger is part of the fingerprint: both runs resume what the other wrote.
-    timed = TrainConfig(**{**LONG, "checkpoint_every": 0, "checkpoint_every_s": 0.01})
+    # 0.1 ms: due at every step, however fast (fp16 steps with the compiled row update
+    # can take under 10 ms here, and 0.01 s then skipped step 6 in one run).
+    timed = TrainConfig(**{**LONG, "checkpoint_every": 0, "checkpoint_every_s": 0.0001})
     with pytest.raises(TrainingCrashed, match="exited with code"):
         train_model(
             timed, shards_dir, tmp_path / "killed", "cpu", free_port(), env(),
