@@ -455,6 +455,9 @@ TRAIN_FIGURES = (
     "startup_s",
     # How the sharded embedding rows were stored (fp32, fp16, bf16).
     "table_precision",
+    # How their rows and gradients travelled, and the bytes all ranks sent per sample.
+    "comm_precision",
+    "wire_bytes_per_sample",
     "final_loss",
     # launcher 'per_node': earlier attempts that failed, with the nodes they lost and why.
     "failed_attempts",

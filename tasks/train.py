@@ -208,6 +208,17 @@ def train_task(
                 if result.table_precision is not None
                 else {}
             ),
+            **(
+                {"comm_precision": result.comm_precision}
+                if result.comm_precision is not None
+                else {}
+            ),
+            # Bytes all ranks sent each other per sample, by kind (CTR models).
+            **(
+                {"wire_bytes_per_sample": result.wire_bytes_per_sample}
+                if result.wire_bytes_per_sample is not None
+                else {}
+            ),
             **({"failed_attempts": failed_attempts} if failed_attempts else {}),
             # In-training validation (train.eval_every_epochs): best step, curve, stop reason.
             **({"validation": validation} if validation is not None else {}),

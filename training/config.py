@@ -205,6 +205,7 @@ _CTR_ONLY_FIELDS = {
     "offload_optimizer": "the pipeline engine keeps its optimizer state on the rank; ",
     "embeddings": "the item table is a tied pipeline layer; ",
     "table_precision": "the item table trains with the dense side at train.precision; ",
+    "comm_precision": "the item table is a tied pipeline layer, not exchanged by row; ",
     "sparse_optimizer": "the item table is trained by the dense optimizer (train.lr); ",
     "sparse_lr": "the item table is trained by the dense optimizer (train.lr); ",
     "sparse_weight_decay": "the item table takes train.weight_decay; ",
@@ -350,6 +351,16 @@ class TrainConfig(BaseModel):
         "go through DeepSpeed. Checkpoints, model.safetensors and the exported package keep "
         "this precision; the ONNX and TorchScript models decode the rows after the gather. "
         "A resume cannot change it; a warm start converts.",
+    )
+    comm_precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="How the sharded embedding rows sent forward and their gradients sent "
+        "back travel between ranks (embeddings: sharded, world_size >= 2): bf16 and fp16 "
+        "halve those bytes, rounded to nearest; fp16 gradients carry a per-row power-of-"
+        "two scale so that small ones survive. Ids always travel as the owner's local row "
+        "in the narrowest integer type that holds it. Owners sum and update in fp32, and "
+        "the table keeps train.table_precision. With one rank nothing is sent or rounded. "
+        "train_summary.json's wire_bytes_per_sample counts the bytes by kind.",
     )
     loss_scale: float = Field(
         0.0, ge=0, description="fp16 only: a static loss scale, or 0 for dynamic loss scaling."
@@ -625,6 +636,13 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 f"train.table_precision={self.table_precision} applies to embeddings: "
                 "sharded; a dense table trains at train.precision: remove it or set "
+                "embeddings: sharded"
+            )
+        if self.comm_precision != "fp32" and self.embeddings == "dense":
+            raise ValueError(
+                f"train.comm_precision={self.comm_precision} applies to embeddings: "
+                "sharded (the rows and gradients the ranks exchange); a dense table's "
+                "gradients are all-reduced by DeepSpeed at train.precision: remove it or set "
                 "embeddings: sharded"
             )
         if self.loss_scale and self.precision != "fp16":

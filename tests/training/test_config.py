@@ -126,6 +126,10 @@ def test_config_module_imports_without_torch() -> None:
             {"table_precision": "bf16", "embeddings": "dense"},
             ["train.table_precision=bf16", "embeddings: sharded"],
         ),
+        (
+            {"comm_precision": "fp16", "embeddings": "dense"},
+            ["train.comm_precision=fp16", "embeddings: sharded"],
+        ),
     ],
 )
 def test_inconsistent_settings_name_the_fields_to_change(override: dict, names: list) -> None:

@@ -51,6 +51,17 @@ nearest; a 2-byte value is exact in fp32, so upcasting never rounds. An int8 row
 its grid (scale and bias) while its updated values stay inside it, so an update moves
 each value by a stochastically rounded number of steps and an untouched value keeps its
 code; a value leaving the grid re-grids that row on its new minimum and maximum.
+
+What travels (`comm_precision`: fp32, bf16 or fp16; issue 40's communication wall). Ids
+go to their owner as its local row (`global // W`) in the narrowest integer type that
+holds every local row (and the admission counts): int16 or int32 where int64 was sent.
+The rows sent forward and the row gradients sent back are cast to `comm_precision`,
+rounded to nearest. fp16 gradients carry a per-row power-of-two scale (`encode_grads`),
+so that a row's largest value lands in [2^14, 2^15) and small gradients survive; bf16
+has fp32's range and needs none. Owners decode to fp32, then sum and update in fp32, so
+the table's precision is independent of the wire's. Only an exchange rounds: with one
+rank nothing is sent and nothing is rounded. Every rank counts the bytes it sends to
+the others, by kind (`wire_bytes`: ids, rows, row_grads).
 """
 
 from __future__ import annotations
@@ -64,6 +75,20 @@ import torch
 import torch.distributed as dist
 
 from training.ctr.kernels import rounding_kernel, subtract_rows
+
+CommPrecision = Literal["fp32", "bf16", "fp16"]
+# The rows and row gradients on the wire, by train.comm_precision.
+COMM_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+# What each rank counts it sends to the others (bytes): ids (with the split counts and
+# admission counts), rows forward, row gradients back.
+WIRE_KINDS = ("ids", "rows", "row_grads")
+# fp16 gradients: a row's largest magnitude is scaled into [2^14, 2^15), below fp16's
+# largest finite value (65504) with a margin for rounding up.
+_FP16_TOP_EXPONENT = 15
 
 # Rows drawn per RNG chunk at init; fixed so init does not depend on the world size.
 INIT_CHUNK_ROWS = 1 << 16
@@ -608,6 +633,46 @@ def warm_start_state(
     return result
 
 
+def narrowest_int(largest: int) -> torch.dtype:
+    """The narrowest signed integer dtype that holds 0..largest (int16, int32 or int64)."""
+    for dtype in (torch.int16, torch.int32):
+        if largest <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
+
+
+def encode_grads(grad: torch.Tensor, precision: CommPrecision) -> torch.Tensor:
+    """(N, D) fp32 row gradients as sent at `precision` (`decode_grads` inverts it).
+
+    fp32 as is; bf16 rounded to nearest. fp16: each row is multiplied by 2^e, with e
+    chosen so that its largest magnitude lies in [2^14, 2^15), then rounded to nearest;
+    e travels as an extra fp16 column (an integer, exact in fp16). A power of two scales
+    exactly, so the only rounding is fp16's 11-bit mantissa relative to the row's
+    largest value: the gradient of a rare id is as precise as that of a hot one, where
+    one scale for the whole message would flush small rows to zero.
+    """
+    if precision == "fp32":
+        return grad
+    if precision == "bf16":
+        return grad.to(torch.bfloat16)
+    largest = grad.abs().amax(dim=1)
+    _, exponent = torch.frexp(largest)  # largest = m * 2^exponent, m in [0.5, 1)
+    # At most 127: 2^shift must be a finite fp32 (only rows below 2^-112 are capped).
+    shift = torch.where(largest > 0, _FP16_TOP_EXPONENT - exponent, 0).clamp_(max=127)
+    shift = shift.to(torch.float32)
+    scaled = torch.ldexp(grad, shift[:, None]).to(torch.float16)
+    return torch.cat([scaled, shift.to(torch.float16)[:, None]], dim=1)
+
+
+def decode_grads(sent: torch.Tensor, precision: CommPrecision) -> torch.Tensor:
+    """`encode_grads`' (N, D) fp32 gradients back from what was received."""
+    if precision == "fp32":
+        return sent
+    if precision == "bf16":
+        return sent.float()
+    return torch.ldexp(sent[:, :-1].float(), -sent[:, -1:].float())
+
+
 @dataclass
 class LookupContext:
     """What `lookup` remembers for sending the gradients back.
@@ -649,6 +714,9 @@ class ShardedEmbedding:
         table_precision: How the rows are stored: "fp32", or "fp16" / "bf16" / "int8"
             with stochastically rounded updates (see the module docstring); the
             optimizer state is fp32 in every case.
+        comm_precision: How the rows and row gradients travel between ranks: "fp32",
+            "bf16" or "fp16" (see the module docstring); the owners sum and update in
+            fp32 whatever it is.
     """
 
     def __init__(
@@ -665,12 +733,17 @@ class ShardedEmbedding:
         weight_decay: float = 0.0,
         max_grad_norm: float = 0.0,
         table_precision: TablePrecision = "fp32",
+        comm_precision: CommPrecision = "fp32",
     ) -> None:
         if optimizer not in ("rowwise_adagrad", "lazy_adam"):
             raise ValueError(f"optimizer must be rowwise_adagrad or lazy_adam, got {optimizer!r}")
         if table_precision not in TABLE_DTYPES:
             raise ValueError(
                 f"table_precision must be one of {sorted(TABLE_DTYPES)}, got {table_precision!r}"
+            )
+        if comm_precision not in COMM_DTYPES:
+            raise ValueError(
+                f"comm_precision must be one of {sorted(COMM_DTYPES)}, got {comm_precision!r}"
             )
         self.table_sizes = list(table_sizes)
         self.offsets = table_offsets(self.table_sizes)
@@ -684,6 +757,9 @@ class ShardedEmbedding:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.seed = seed  # also keys the stochastic rounding of 2-byte rows
         self.table_precision = table_precision
+        self.comm_precision = comm_precision
+        # Bytes this rank sent to the other ranks since it was built, by kind (WIRE_KINDS).
+        self.wire_bytes = dict.fromkeys(WIRE_KINDS, 0)
         rows = init_table(self.table_sizes, embedding_dim, seed, rank, world_size, table_precision)
         self.weight = rows["weight"]
         if table_precision != "fp32":
@@ -698,6 +774,12 @@ class ShardedEmbedding:
             self.state["exp_avg_sq"] = torch.zeros(self.weight.shape)
         self.steps = 0  # optimizer steps taken (lazy Adam's bias correction)
         self.counts = torch.zeros(local, dtype=torch.int64) if self._admission else None
+        # Ids travel as their owner's local row; with admission the batch's counts of
+        # them (at most every id a rank looks up at once, < 2^31) travel alongside.
+        largest_local = -(-self.num_rows // world_size) - 1
+        self._id_dtype = narrowest_int(
+            max(largest_local, torch.iinfo(torch.int32).max if self._admission else 0)
+        )
         self._pending_rows: list[torch.Tensor] = []
         self._pending_grads: list[torch.Tensor] = []
 
@@ -791,13 +873,20 @@ class ShardedEmbedding:
             send_splits = torch.bincount(owner, minlength=self.world_size)
             recv_splits = self._exchange_counts(send_splits)
             send_splits_list, recv_splits_list = send_splits.tolist(), recv_splits.tolist()
-            payload = unique_ids.index_select(0, send_order)
+            # Each owner gets its local rows, narrowed (the module docstring).
+            payload = (unique_ids.index_select(0, send_order) // self.world_size).to(self._id_dtype)
             if id_counts is not None:
-                payload = torch.stack([payload, id_counts.index_select(0, send_order)], dim=1)
-            received = self._all_to_all(payload, recv_splits_list, send_splits_list)
-            recv_ids = received[:, 0] if id_counts is not None else received
+                counts = id_counts.index_select(0, send_order).to(self._id_dtype)
+                payload = torch.stack([payload, counts], dim=1)
+            else:
+                payload = payload[:, None]
+            # As raw bytes: neither gloo nor NCCL takes int16, a byte view travels anywhere.
+            received = self._all_to_all(
+                payload.view(torch.uint8), recv_splits_list, send_splits_list, "ids"
+            )
+            received = received.view(self._id_dtype).long()
+            recv_local = received[:, 0]
             recv_counts = received[:, 1] if id_counts is not None else None
-            recv_local = recv_ids // self.world_size
 
         reply = self._read_rows(recv_local)  # (R, D) fp32
         if self.counts is not None:
@@ -808,7 +897,8 @@ class ShardedEmbedding:
         if send_order is None:
             rows = reply
         else:
-            returned = self._all_to_all(reply, send_splits_list, recv_splits_list)
+            sent = reply.to(COMM_DTYPES[self.comm_precision])
+            returned = self._all_to_all(sent, send_splits_list, recv_splits_list, "rows").float()
             rows = returned.new_empty((num_unique, returned.shape[1]))
             rows.index_copy_(0, send_order, returned)
         if self.counts is not None:
@@ -837,9 +927,9 @@ class ShardedEmbedding:
         if context.send_order is None:
             received = grad
         else:
-            received = self._all_to_all(
-                grad.index_select(0, context.send_order), context.recv_splits, context.send_splits
-            )
+            sent = encode_grads(grad.index_select(0, context.send_order), self.comm_precision)
+            received = self._all_to_all(sent, context.recv_splits, context.send_splits, "row_grads")
+            received = decode_grads(received, self.comm_precision)
         self._pending_rows.append(context.recv_local)
         self._pending_grads.append(received)
 
@@ -949,16 +1039,23 @@ class ShardedEmbedding:
     def _exchange_counts(self, send_splits: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return send_splits.clone()
+        self.wire_bytes["ids"] += (self.world_size - 1) * send_splits.element_size()
         recv_splits = torch.empty_like(send_splits)
         dist.all_to_all_single(recv_splits, send_splits, group=self.group)
         return recv_splits
 
     def _all_to_all(
-        self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int]
+        self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], kind: str
     ) -> torch.Tensor:
-        """Rows [input_splits] of `tensor` to each rank; rows from each rank, in rank order."""
+        """Rows [input_splits] of `tensor` to each rank; rows from each rank, in rank order.
+
+        `kind` (one of WIRE_KINDS) is what the bytes sent to the other ranks count as;
+        this rank's own rows do not leave it.
+        """
         if self.world_size == 1:
             return tensor
+        row_bytes = tensor[0].numel() * tensor.element_size() if tensor.numel() else 0
+        self.wire_bytes[kind] += (sum(input_splits) - input_splits[self.rank]) * row_bytes
         output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
         dist.all_to_all_single(output, tensor, output_splits, input_splits, group=self.group)
         return output

@@ -73,6 +73,7 @@ from training.config import TrainConfig
 from training.ctr.consolidate import table_chunks, table_tensors, write_table
 from training.ctr.data import Batch, load_dataset_meta
 from training.ctr.embedding import (
+    WIRE_KINDS,
     ShardedEmbedding,
     init_rows,
     reshard_state,
@@ -395,6 +396,7 @@ def run(spec: dict[str, Any]) -> None:
         counters.resumed_from_step = resumed["step"]
         counters.resumed_from_world_size = int(resume_point.meta["world_size"])
     startup.lap("resume")
+    resumed_micro = counters.micro_done  # what this attempt's wire bytes are per
     engine.train()
     started = time.monotonic()
     try:
@@ -402,6 +404,7 @@ def run(spec: dict[str, Any]) -> None:
     finally:
         reader.close()
     seconds = time.monotonic() - started
+    wire = _wire_bytes_per_sample(engine, store, config, counters, resumed_micro, world_size)
     _save_final_checkpoint(spec, engine, store, reader, out_dir, rank, world_size)
     exchange = NodeExchange.from_spec(spec.get("node_exchange"))
     # Nodes without a shared disk: every node's final checkpoint gets every rank's part.
@@ -420,7 +423,7 @@ def run(spec: dict[str, Any]) -> None:
     if on_rank0:
         warm = spec.get("warm_start")
         _write_summary(
-            out_dir, config, counters, reader, seconds, world_size, startup.laps,
+            out_dir, config, counters, reader, seconds, world_size, startup.laps, wire,
             None if warm is None else {
                 "parent_world_size": warm["world_size"],
                 "reset_rows": sum(len(rows) for rows in warm["reset_rows"]),
@@ -492,6 +495,7 @@ def _build_modules(
         # train.grad_clip bounds each row's gradient too; DeepSpeed clips the dense side.
         max_grad_norm=config.grad_clip,
         table_precision=config.table_precision,
+        comm_precision=config.comm_precision,
     )
     return module, store
 
@@ -831,6 +835,40 @@ def _progress_record(state: _Rank, window_started: float) -> tuple[dict[str, Any
     return record, now
 
 
+def _wire_bytes_per_sample(
+    engine: deepspeed.DeepSpeedEngine,
+    store: ShardedEmbedding | None,
+    config: TrainConfig,
+    counters: _Counters,
+    resumed_micro: int,
+    world_size: int,
+) -> dict[str, float]:
+    """Every rank (a collective): the bytes all ranks sent each other per sample, by kind.
+
+    ids, rows and row_grads are what the embedding shards counted as they sent them (this
+    attempt's exchanges, in-training validation's lookups included). dense_allreduce is
+    computed from sizes, not counted: DeepSpeed's collectives are not ours to wrap. A
+    ring all-reduce (ZeRO 0) sends 2 (W - 1) / W of the gradient's bytes per rank and
+    step, as do ZeRO 1-2's reduce-scatter plus parameter all-gather; ZeRO 3 gathers the
+    parameters again for the backward, 3 (W - 1) / W. The bytes are those of DeepSpeed's
+    communication dtype (fp32, or the half type of train.precision).
+    """
+    kinds = (*WIRE_KINDS, "dense_allreduce")
+    sent = torch.zeros(len(kinds), dtype=torch.float64)
+    if store is not None:
+        sent[: len(WIRE_KINDS)] = torch.tensor([store.wire_bytes[k] for k in WIRE_KINDS])
+    steps = (counters.micro_done - resumed_micro) // config.grad_accum_steps
+    # ZeRO 3 keeps a partition on the rank; ds_numel is the whole parameter.
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    dtype_bytes = torch.empty(0, dtype=engine.communication_data_type).element_size()
+    passes = 3 if engine.zero_optimization_stage() == 3 else 2
+    sent[-1] = steps * passes * (world_size - 1) / world_size * numel * dtype_bytes
+    dist.all_reduce(sent)
+    samples = max(1, (counters.micro_done - resumed_micro) * config.batch_size * world_size)
+    per_sample = {kind: float(total) / samples for kind, total in zip(kinds, sent, strict=True)}
+    return {"total": sum(per_sample.values()), **per_sample}
+
+
 def _save_final_checkpoint(
     spec: dict[str, Any],
     engine: deepspeed.DeepSpeedEngine,
@@ -867,6 +905,7 @@ def _write_summary(
     seconds: float,
     world_size: int,
     startup_s: dict[str, float],
+    wire_bytes_per_sample: dict[str, float],
     warm_start: dict[str, Any] | None = None,
 ) -> None:
     """Rank 0: `train_summary.json` (`warm_start`: what a train.init run started from)."""
@@ -881,6 +920,8 @@ def _write_summary(
         "world_size": world_size,
         "embeddings": config.embeddings,
         **({"table_precision": config.table_precision} if config.embeddings == "sharded" else {}),
+        **({"comm_precision": config.comm_precision} if config.embeddings == "sharded" else {}),
+        "wire_bytes_per_sample": wire_bytes_per_sample,
         "step_ms": {name: counters.totals[name] / max(counters.step, 1) for name in PHASES},
         "sparse_rows_updated_rank0": counters.rows_updated,
         "peak_rss_mb_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

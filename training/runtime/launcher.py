@@ -149,6 +149,11 @@ class TrainResult:
             model family does not report it.
         table_precision: How the sharded embedding rows were stored (CTR models with
             embeddings: sharded); None where the run had no sharded table.
+        comm_precision: How those rows and their gradients travelled between ranks;
+            None where the run had no sharded table.
+        wire_bytes_per_sample: Bytes all ranks sent each other per sample, by kind
+            (total, ids, rows, row_grads, dense_allreduce); None where the model family
+            does not count them.
     """
 
     out_dir: Path
@@ -163,6 +168,8 @@ class TrainResult:
     resumed_from_world_size: int | None = None
     startup_s: dict[str, float] = field(default_factory=dict)
     table_precision: str | None = None
+    comm_precision: str | None = None
+    wire_bytes_per_sample: dict[str, float] | None = None
 
 
 def chaos_settings(env: Mapping[str, str]) -> dict[str, Any]:

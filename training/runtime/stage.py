@@ -186,4 +186,6 @@ def run_train_stage(
         resumed_from_world_size=summary.get("resumed_from_world_size"),
         startup_s=dict(summary.get("startup_s", {})),
         table_precision=summary.get("table_precision"),
+        comm_precision=summary.get("comm_precision"),
+        wire_bytes_per_sample=summary.get("wire_bytes_per_sample"),
     )

@@ -17,11 +17,14 @@ from training.ctr.embedding import (
     SCALE_BIAS,
     TABLE_DTYPES,
     ShardedEmbedding,
+    decode_grads,
     decode_rows,
+    encode_grads,
     encode_rows,
     group_by_owner,
     init_rows,
     init_table,
+    narrowest_int,
     quantize_int8,
     reshard_state,
     rounding_bits,
@@ -231,16 +234,38 @@ def _rank_main(
     admission: int,
     grad_clip: float,
     precision: str,
+    comm: str = "fp32",
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     store = ShardedEmbedding(
         SIZES, DIM, optimizer, lr=0.05, admission_min_count=admission, seed=1,
         rank=rank, world_size=world, max_grad_norm=grad_clip, table_precision=precision,
+        comm_precision=comm,
     )  # fmt: skip
     _train(store, _global_batches(steps=6, batch=8), rank, world)
     torch.save(store.state_dict(), Path(out) / f"rank{rank}.pt")
+    torch.save(store.wire_bytes, Path(out) / f"wire{rank}.pt")
     dist.destroy_process_group()
+
+
+def _run_two_ranks(out: Path, *args: object) -> list[dict]:
+    """`_rank_main` on 2 spawned gloo ranks; each rank's saved shard state."""
+    # Fresh interpreters, not forks: the test process runs threads (Prefect, moto, rich)
+    # by now, and a fork inherits whatever lock one of them held.
+    out.mkdir(parents=True, exist_ok=True)
+    context = mp.get_context("spawn")
+    port = _free_port()
+    processes = [
+        context.Process(target=_rank_main, args=(rank, 2, port, str(out), *args))
+        for rank in range(2)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
 @pytest.mark.parametrize(
@@ -261,23 +286,7 @@ def test_two_ranks_equal_one_process(
     tmp_path: Path, optimizer: str, admission: int, grad_clip: float, precision: str
 ) -> None:
     """Rows after 6 steps on 2 gloo ranks (batch 4 each) = 1 process with batch 8."""
-    # Fresh interpreters, not forks: the test process runs threads (Prefect, moto, rich)
-    # by now, and a fork inherits whatever lock one of them held.
-    context = mp.get_context("spawn")
-    port = _free_port()
-    processes = [
-        context.Process(
-            target=_rank_main,
-            args=(rank, 2, port, str(tmp_path), optimizer, admission, grad_clip, precision),
-        )
-        for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
-        assert process.exitcode == 0
-    shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    shards = _run_two_ranks(tmp_path, optimizer, admission, grad_clip, precision)
     two_ranks = gather_full_table([s["weight"] for s in shards], sum(SIZES))
 
     reference = ShardedEmbedding(
@@ -702,3 +711,75 @@ def test_warm_start_refuses_rows_beyond_the_precision_range() -> None:
     store.weight[2, 0] = 1e6  # fine in bf16, beyond fp16's 65504
     with pytest.raises(ValueError, match="table_precision: fp16"):
         warm_start_state([store.state_dict()], [4, 3], [4, 3], [[], []], DIM, 0, 0, 1, "fp16")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_sent_gradients_come_back_within_the_precisions_rounding(precision: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    # Rows of magnitudes from 1e-30 to 1e10, a zero row and a row with one tiny value.
+    grad = torch.randn(64, 8, generator=generator) * torch.logspace(-30, 10, 64)[:, None]
+    grad[5] = 0.0
+    grad[6, 3] = 1e-6 * float(grad[6].abs().max())
+    sent = encode_grads(grad, precision)
+    back = decode_grads(sent, precision)
+    assert back.dtype == torch.float32 and bool(torch.isfinite(back).all())
+    if precision == "fp32":
+        assert torch.equal(back, grad)
+        return
+    # Relative to each row's largest value: the wire type's unit roundoff, whatever the
+    # row's magnitude. Without fp16's per-row scale the rows below ~1e-8 would be zeros.
+    largest = grad.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    unit = {"bf16": 2.0**-8, "fp16": 2.0**-11}[precision]
+    assert float(((back - grad).abs() / largest).max()) <= unit
+    assert torch.equal(back[5], grad[5])
+    if precision == "fp16":
+        assert sent.dtype == torch.float16 and sent.shape == (64, 9)  # + the scale column
+        assert bool((back[:, :].abs().amax(dim=1) > 0)[grad.abs().amax(dim=1) > 0].all())
+
+
+def test_ids_travel_in_the_narrowest_integer_type() -> None:
+    assert narrowest_int(0) == torch.int16
+    assert narrowest_int(2**15 - 1) == torch.int16
+    assert narrowest_int(2**15) == torch.int32
+    assert narrowest_int(2**31 - 1) == torch.int32
+    assert narrowest_int(2**31) == torch.int64
+
+
+def test_a_bad_comm_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="comm_precision must be one of"):
+        ShardedEmbedding(SIZES, DIM, "rowwise_adagrad", lr=0.1, comm_precision="fp8")
+
+
+@pytest.mark.parametrize(("comm", "admission"), [("bf16", 0), ("fp16", 2)])
+def test_two_ranks_at_a_half_comm_precision_send_half_the_bytes_and_stay_close(
+    tmp_path: Path, comm: str, admission: int
+) -> None:
+    """2 ranks exchanging half-precision rows and gradients: the bytes by kind against an
+    fp32 exchange of the same steps, and rows within the rounding of a 1-process run."""
+    exact = _run_two_ranks(tmp_path / "fp32", "rowwise_adagrad", admission, 0.0, "fp32", "fp32")
+    half = _run_two_ranks(tmp_path / comm, "rowwise_adagrad", admission, 0.0, "fp32", comm)
+    wire = {
+        name: [torch.load(tmp_path / name / f"wire{r}.pt") for r in range(2)]
+        for name in ("fp32", comm)
+    }
+    for rank in range(2):
+        full, narrow = wire["fp32"][rank], wire[comm][rank]
+        assert full["rows"] > 0 and full["row_grads"] > 0 and full["ids"] > 0
+        # Forward rows (with admission, the admitted flag column too) at 2 bytes, not 4.
+        assert narrow["rows"] * 2 == full["rows"]
+        # fp16 gradients carry one scale column per row: (D + 1) values of 2 bytes.
+        extra = (DIM + 1) / DIM if comm == "fp16" else 1.0
+        assert narrow["row_grads"] == pytest.approx(full["row_grads"] / 2 * extra)
+        # The ids do not depend on the comm precision, and already travel narrowed.
+        assert narrow["ids"] == full["ids"]
+    reference = ShardedEmbedding(
+        SIZES, DIM, "rowwise_adagrad", lr=0.05, admission_min_count=admission, seed=1
+    )
+    _train(reference, _global_batches(steps=6, batch=8), 0, 1)
+    two_ranks = gather_full_table([s["weight"] for s in half], sum(SIZES))
+    exact_rows = gather_full_table([s["weight"] for s in exact], sum(SIZES))
+    torch.testing.assert_close(exact_rows, reference.weight, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(two_ranks, exact_rows)  # the rounding did act
+    # Six updates of lr 0.05, each off by at most the wire's rounding of a row or a
+    # gradient: far below the updates themselves.
+    torch.testing.assert_close(two_ranks, reference.weight, rtol=0, atol=2e-3)

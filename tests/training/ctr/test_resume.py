@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 # Lazy Adam rows, AdamW with warmup and decay on ZeRO-2, dropout (the RNG matters),
 # gradient clipping, fp16 rows with stochastic rounding (its bits follow the step and
-# the global row): every piece of state counts. fp32 rows resume bitwise in
+# the global row), an fp16 exchange: every piece of state counts. fp32 rows resume bitwise in
 # tests/flows (test_chaos, test_elastic).
 CONFIG = {
     "embedding_dim": 8,
@@ -40,6 +40,9 @@ CONFIG = {
     "grad_clip": 5e-4,
     "sparse_optimizer": "lazy_adam",
     "table_precision": "fp16",
+    # fp16 rows and scaled fp16 gradients between the ranks: rounded to nearest, so a
+    # resume reproduces them bitwise too.
+    "comm_precision": "fp16",
     "world_size": 2,
     "checkpoint_every": 4,
     "log_every": 1,
@@ -164,6 +167,34 @@ def test_sigterm_saves_a_checkpoint_at_the_next_step_and_the_retry_resumes(
     )
     assert resumed.resumed_from_step == step
     assert_bitwise_equal(expected, weights(tmp_path / "resumed"))
+
+
+def test_a_bf16_exchange_resumes_to_bitwise_the_same_weights(
+    module_shards: Path, tmp_path: Path
+) -> None:
+    """The other half-precision exchange (CONFIG's is fp16), on fp32 rows at ZeRO 0."""
+    config = TrainConfig(
+        **{**CONFIG, "comm_precision": "bf16", "table_precision": "fp32", "zero_stage": 0}
+    )
+    clean = train_model(config, module_shards, tmp_path / "clean", "cpu", free_port(), env())
+    summary = json.loads((tmp_path / "clean" / "train_summary.json").read_text())
+    assert (clean.comm_precision, summary["comm_precision"]) == ("bf16", "bf16")
+    wire = summary["wire_bytes_per_sample"]
+    assert min(wire[k] for k in ("ids", "rows", "row_grads", "dense_allreduce")) > 0
+    assert wire["total"] == pytest.approx(sum(v for k, v in wire.items() if k != "total"))
+    assert clean.wire_bytes_per_sample == wire
+    root = tmp_path / "resume"
+    with pytest.raises(Preempted):
+        train_model(
+            config, module_shards, tmp_path / "preempted", "cpu", free_port(), env(),
+            on_progress=signal_at(6, root, signal.SIGTERM), checkpoint_root=root,
+        )  # fmt: skip
+    resumed = train_model(
+        config, module_shards, tmp_path / "resumed", "cpu", free_port(), env(),
+        checkpoint_root=root,
+    )  # fmt: skip
+    assert resumed.resumed_from_step is not None
+    assert_bitwise_equal(weights(tmp_path / "clean"), weights(tmp_path / "resumed"))
 
 
 def test_a_crash_at_each_point_of_a_save_resumes_from_the_last_committed_checkpoint(
@@ -309,6 +340,8 @@ def test_a_checkpoint_resumes_on_another_world_size(
     # dropout: its masks are drawn per rank, so they depend on the world size.
     common = {
         **CONFIG,
+        # Only an exchange rounds: another world size would round other values.
+        "comm_precision": "fp32",
         "dropout": 0.0,
         "max_steps": 28,
         "checkpoint_every": 8,
