@@ -206,6 +206,7 @@ _CTR_ONLY_FIELDS = {
     "embeddings": "the item table is a tied pipeline layer; ",
     "table_precision": "the item table trains with the dense side at train.precision; ",
     "comm_precision": "the item table is a tied pipeline layer, not exchanged by row; ",
+    "overlap_exchange": "the item table is a tied pipeline layer, not exchanged by row; ",
     "sparse_optimizer": "the item table is trained by the dense optimizer (train.lr); ",
     "sparse_lr": "the item table is trained by the dense optimizer (train.lr); ",
     "sparse_weight_decay": "the item table takes train.weight_decay; ",
@@ -361,6 +362,13 @@ class TrainConfig(BaseModel):
         "in the narrowest integer type that holds it. Owners sum and update in fp32, and "
         "the table keeps train.table_precision. With one rank nothing is sent or rounded. "
         "train_summary.json's wire_bytes_per_sample counts the bytes by kind.",
+    )
+    overlap_exchange: bool = Field(
+        True,
+        description="Send the sharded rows' gradients to their owners as soon as the "
+        "backward has them, on a process group of their own, and go on with the dense "
+        "all-reduce and step while they travel (embeddings: sharded, world_size >= 2). "
+        "The model is bitwise the same either way; false waits for each exchange.",
     )
     loss_scale: float = Field(
         0.0, ge=0, description="fp16 only: a static loss scale, or 0 for dynamic loss scaling."

@@ -717,6 +717,11 @@ class ShardedEmbedding:
         comm_precision: How the rows and row gradients travel between ranks: "fp32",
             "bf16" or "fp16" (see the module docstring); the owners sum and update in
             fp32 whatever it is.
+        overlap: Send the row gradients without waiting for them to arrive: the caller
+            goes on (the dense all-reduce and step) while they travel, and the next
+            `lookup`, `step` or `discard_gradients` waits for them. The values are the
+            same either way. Give the shard a process group of its own (`group`), so
+            that the dense side's collectives do not queue behind its exchange.
     """
 
     def __init__(
@@ -734,6 +739,7 @@ class ShardedEmbedding:
         max_grad_norm: float = 0.0,
         table_precision: TablePrecision = "fp32",
         comm_precision: CommPrecision = "fp32",
+        overlap: bool = False,
     ) -> None:
         if optimizer not in ("rowwise_adagrad", "lazy_adam"):
             raise ValueError(f"optimizer must be rowwise_adagrad or lazy_adam, got {optimizer!r}")
@@ -758,6 +764,10 @@ class ShardedEmbedding:
         self.seed = seed  # also keys the stochastic rounding of 2-byte rows
         self.table_precision = table_precision
         self.comm_precision = comm_precision
+        self.overlap = overlap
+        # Gradient exchanges sent and not yet waited for: (work or None, what arrives,
+        # the local rows it is for).
+        self._in_flight: list[tuple[dist.Work | None, torch.Tensor, torch.Tensor]] = []
         # Bytes this rank sent to the other ranks since it was built, by kind (WIRE_KINDS).
         self.wire_bytes = dict.fromkeys(WIRE_KINDS, 0)
         rows = init_table(self.table_sizes, embedding_dim, seed, rank, world_size, table_precision)
@@ -853,6 +863,7 @@ class ShardedEmbedding:
             inverse: (M,) index of each id in the unique ids.
             context: For `accumulate_gradients`.
         """
+        self._settle()  # the exchanges on this group run in order
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
             raise ValueError(
                 f"embedding ids must be in [0, {self.num_rows}), got "
@@ -925,16 +936,29 @@ class ShardedEmbedding:
             grad = torch.zeros((context.unique_ids.numel(), self.embedding_dim))
         grad = grad.float()
         if context.send_order is None:
-            received = grad
-        else:
-            sent = encode_grads(grad.index_select(0, context.send_order), self.comm_precision)
-            received = self._all_to_all(sent, context.recv_splits, context.send_splits, "row_grads")
-            received = decode_grads(received, self.comm_precision)
-        self._pending_rows.append(context.recv_local)
-        self._pending_grads.append(received)
+            self._pending_rows.append(context.recv_local)
+            self._pending_grads.append(grad)
+            return
+        sent = encode_grads(grad.index_select(0, context.send_order), self.comm_precision)
+        received, work = self._send(
+            sent, context.recv_splits, context.send_splits, "row_grads", wait=not self.overlap
+        )
+        self._in_flight.append((work, received, context.recv_local))
+        if not self.overlap:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the gradient exchanges in flight and keep what arrived for `step`."""
+        for work, received, local in self._in_flight:
+            if work is not None:
+                work.wait()
+            self._pending_rows.append(local)
+            self._pending_grads.append(decode_grads(received, self.comm_precision))
+        self._in_flight.clear()
 
     def discard_gradients(self) -> None:
         """Drop accumulated gradients (e.g. when fp16 overflow skips a step)."""
+        self._settle()  # every rank took part in the exchange; it must end
         self._pending_rows.clear()
         self._pending_grads.clear()
 
@@ -952,6 +976,7 @@ class ShardedEmbedding:
             Number of rows updated on this rank.
         """
         self.steps += 1
+        self._settle()
         if not self._pending_rows:
             return 0
         scale = self.world_size * grad_scale
@@ -1054,8 +1079,22 @@ class ShardedEmbedding:
         """
         if self.world_size == 1:
             return tensor
+        return self._send(tensor, output_splits, input_splits, kind, wait=True)[0]
+
+    def _send(
+        self,
+        tensor: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        kind: str,
+        wait: bool,
+    ) -> tuple[torch.Tensor, dist.Work | None]:
+        """`_all_to_all` (W >= 2); unless `wait`, returns before the data arrives, with
+        the work to wait on before reading the output."""
         row_bytes = tensor[0].numel() * tensor.element_size() if tensor.numel() else 0
         self.wire_bytes[kind] += (sum(input_splits) - input_splits[self.rank]) * row_bytes
         output = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
-        dist.all_to_all_single(output, tensor, output_splits, input_splits, group=self.group)
-        return output
+        work = dist.all_to_all_single(
+            output, tensor, output_splits, input_splits, group=self.group, async_op=not wait
+        )
+        return output, work

@@ -54,6 +54,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -247,11 +248,27 @@ class SparseInputs:
             start += kept.numel()
             self.multi_index.append(index)
         self.row_admitted = self.context.admitted if with_features else None
+        self.gradients_sent = False
+        if store.overlap:
+            # The rows are the graph's first inputs: their gradient is ready near the end
+            # of the backward, before DeepSpeed's all-reduce, which the exchange overlaps.
+            self.rows.register_hook(partial(self._send_gradients, store))
         self.row_feature = (
             torch.searchsorted(offsets[1:], self.context.unique_ids, right=True)
             if with_features
             else None
         )
+
+    def _send_gradients(self, store: ShardedEmbedding, grad: torch.Tensor) -> None:
+        """The rows' gradient hook: send it to the owners as soon as autograd has it."""
+        store.accumulate_gradients(grad, self.context)
+        self.gradients_sent = True
+
+    def send_gradients(self, store: ShardedEmbedding) -> None:
+        """Send the rows' gradients unless the hook did (None reached them: zeros)."""
+        if not self.gradients_sent:
+            store.accumulate_gradients(self.rows.grad, self.context)
+            self.gradients_sent = True
 
 
 def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -477,9 +494,11 @@ def _build_modules(
         return module, None
     module = build_arch(model_config)
     # On GPUs the table's all-to-alls use a gloo group, since the rows stay in host
-    # memory (the parameter-server layout).
+    # memory (the parameter-server layout). Overlapped, they need a group of their own
+    # anyway: the dense all-reduce must not queue behind the gradient exchange.
     group = None
-    if spec.get("backend", "gloo") != "gloo" and world_size > 1:
+    separate = spec.get("backend", "gloo") != "gloo" or config.overlap_exchange
+    if separate and world_size > 1:
         group = torch.distributed.new_group(backend="gloo")
     store = ShardedEmbedding(
         table_sizes,
@@ -496,6 +515,7 @@ def _build_modules(
         max_grad_norm=config.grad_clip,
         table_precision=config.table_precision,
         comm_precision=config.comm_precision,
+        overlap=config.overlap_exchange,
     )
     return module, store
 
@@ -752,7 +772,7 @@ def _optimizer_step(
     boundary = engine.is_gradient_accumulation_boundary()
     scale = _loss_scale(engine, config)  # before step(): the step may change it
     if store is not None and inputs is not None:
-        store.accumulate_gradients(inputs.rows.grad, inputs.context)
+        inputs.send_gradients(store)
     engine.step()
     if store is not None and boundary:
         if engine.was_step_applied():

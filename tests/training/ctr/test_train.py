@@ -365,6 +365,30 @@ def test_one_rank_and_two_ranks_train_the_same_model(
         torch.testing.assert_close(two[name], one[name], rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_overlapped_and_waited_gradient_exchanges_train_bitwise_the_same_model(
+    make_shards: Callable[..., Path], tmp_path: Path
+) -> None:
+    """train.overlap_exchange on (the default) and off: the same bits, fp32 on the wire.
+
+    Two micro batches a step: a micro batch's exchange is still in flight when the next
+    one's lookup starts, which must wait for it on the shard's own process group.
+    """
+    shards_dir = make_shards(rows_per_file=1024)
+    common = {**TINY, "max_steps": 12, "zero_stage": 0, "world_size": 2, "grad_accum_steps": 2}
+    models = {}
+    for overlap in (True, False):
+        config = TrainConfig(**common, overlap_exchange=overlap, comm_precision="fp32")
+        out = tmp_path / f"overlap-{overlap}"
+        train_model(config, shards_dir, out, "cpu", free_port(), deepspeed_env())
+        models[overlap] = load_file(out / "model.safetensors")
+    assert models[True].keys() == models[False].keys()
+    for name in models[True]:
+        assert torch.equal(models[True][name], models[False][name]), name
+    initial = init_rows([101, 11, 7], 8, seed=0)
+    assert not torch.equal(models[True]["embedding.weight"], initial)  # the rows trained
+
+
 def test_fp16_on_cpu_is_refused_before_launch(shards_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="precision: bf16"):
         train_model(
