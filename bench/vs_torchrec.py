@@ -7,8 +7,9 @@ TorchRec's fused-params path), `DistributedModelParallel` over gloo ranks on the
 (table-wise sharding, the `fused` kernel: TorchRec on CPU shards table-wise only), and
 `torchrec.models.dlrm.DLRM` around it, whose dot interaction and MLPs are recforge's.
 
-Model (both engines): F single-valued sparse features, one table each, embedding_dim
-16; 2 dense features through a bottom MLP [32, 16] (ReLU after every layer); DLRM dot
+Model (both engines): F single-valued sparse features, one table each, embedding_dim D
+(`--embedding-dim`, 16); 2 dense features through a bottom MLP [32, D] (ReLU after every
+layer; its output is one more vector of the dot interaction, so it is D wide); DLRM dot
 interaction (pairwise dot products of the F + 1 vectors, upper triangle, concatenated
 with the bottom output); top MLP [64, 32] (ReLU) and one linear logit; mean binary
 cross-entropy. Embeddings: row-wise Adagrad, lr 0.05, eps 1e-8 (one accumulator per row:
@@ -52,9 +53,17 @@ warm-up run of each, so both start with warm page caches and built extensions):
   them (`train.threads_per_rank` where the config has that field, and
   `OMP_NUM_THREADS`).
 - TorchRec: this file re-run as `--torchrec-rank SPEC` in W processes (gloo), at each
-  of `--torchrec-threads` (1 and 2 per rank); the faster is the one compared.
+  of `--torchrec-threads` (1 and 2 per rank); the faster is the one compared. Under
+  `--torchrec-qcomms` (which `--link` turns on), a 2-rank cell's TorchRec also runs a
+  second form, `qcomms`: `QCommsConfig(forward_precision=FP16, backward_precision=FP16)`
+  through `get_qcomm_codecs_registry` on the `EmbeddingBagCollectionSharder`, so the
+  pooled embeddings' all-to-all and their gradients' travel as fp16 (what a TorchRec user
+  turns on for a slow network), at the plain form's best thread count. The faster of
+  `plain` and `qcomms` is TorchRec's figure; both are under `torchrec_by_form`. Where the
+  codecs fail on CPU gloo, `torchrec_qcomms_error` keeps the failed rank's first error
+  line and plain TorchRec is compared.
 
-Two modes, off by default, that combine with each other and with any cells:
+Modes, off by default, that combine with each other and with any cells:
 
 - `--table-precision fp16` (default fp32): both engines store the embedding rows in
   fp16. recforge: `train.table_precision: fp16`. TorchRec: `data_type=DataType.FP16` on
@@ -89,6 +98,18 @@ Two modes, off by default, that combine with each other and with any cells:
   seconds, the test `metrics` and the whole run's wall time (`run_s`).
   `time_to_first_step_s` and its ratio are null: the launch happens inside the flow,
   where no clock of this process sees it.
+- `--link RATE` (issue 40, "the communication wall"; a tc rate: `1gbit`, `200mbit`): the
+  whole bench re-runs itself inside a network namespace of its own whose loopback is
+  shaped to RATE by a tbf qdisc (`bench/shaped_link.py`), so every rank's gloo traffic of
+  both engines, and under `--via-cli` the Prefect server `recforge run` starts, goes
+  through a link of that rate; on one machine the loopback otherwise moves gigabytes a
+  second and the bytes a step sends never show. Needs root (`unshare -n`, `tc`): without
+  it the bench exits with status 2 and a line saying so. Turns `--torchrec-qcomms` on.
+- `--comm-precision fp32|bf16|fp16` (default: recforge's own): recforge's
+  `train.comm_precision`, the precision its ranks send rows and row gradients in (a tree
+  whose `TrainConfig` has no such field runs as before, and says so on stderr).
+  `--compare-comm-fp32` trains recforge once more per cell at fp32
+  (`recforge_comm_fp32` in the cell) for `wire_bytes_ratio_vs_fp32_<cell>`.
 
 Figures per cell and engine:
 
@@ -108,13 +129,32 @@ Figures per cell and engine:
   final checkpoint and weights file).
 - `time_to_first_step_s`: from the launch to the start of the first step's clock
   (process start, imports, rendezvous, table init, sharding plan, reader open).
+- `wire_bytes_per_sample`: bytes all ranks sent each other per training sample, by kind:
+  `ids` (ids to the ranks that own their rows), `rows` (rows or pooled embeddings back),
+  `row_grads` (their gradients), `dense_allreduce` (the dense gradients) and `total`.
+  recforge's is its train stage's own count (`train_summary.json`; null in a tree that
+  does not count them). TorchRec's is computed from the sizes of the tensors its
+  collectives send, not counted on the wire (`torchrec_wire_bytes`): table-wise, the
+  input all-to-all's ids (int64) and lengths (int32) of the features owned elsewhere,
+  the pooled (B, F_r, D) embeddings of a rank's tables to the other ranks' samples
+  forward and their gradients backward (fp32; fp16 in the `qcomms` form), and DDP's ring
+  all-reduce of the fp32 dense gradients, 2 (W - 1) / W x their bytes per rank. One
+  process sends nothing: all zero.
 
 Last line, one JSON object: `vs_torchrec_<cell>` (recforge samples/s over TorchRec's,
 target >= 1.0), `rss_ratio_vs_torchrec_<cell>` (recforge's largest per-rank peak RSS
-over TorchRec's, target <= 1.1), `first_step_ratio_vs_torchrec_<cell>`, every raw
-figure under `cells`, `table_precision`, and `recforge_entry` (the library entry, or
-`recforge run` under `--via-cli`). The machine is shared and noisy: only ratios within one run mean
-much, and `loadavg` says how busy it was.
+over TorchRec's, target <= 1.1), `first_step_ratio_vs_torchrec_<cell>`,
+`link_utilisation_<cell>` (recforge's wire bytes per sample x its samples/s x 8 over the
+link's bit rate: all ranks' bytes over the rate of the one loopback they share, so 1.0
+is a link that carried nothing else at full rate; null without `--link` or without the
+bytes), `wire_bytes_ratio_vs_fp32_<cell>` (recforge's wire bytes per sample over its
+bytes at comm_precision fp32; null without `--compare-comm-fp32` or either figure),
+every raw figure under `cells`, `table_precision`, `comm_precision` (asked for; null:
+recforge's default), `embedding_dim`, `link_mbit` (null without `--link`), `link` (the
+loopback's qdisc read back after the runs, with the bytes it carried: it shows the
+shaping was on; null without `--link`), `torchrec_qcomms`, and `recforge_entry` (the
+library entry, or `recforge run` under `--via-cli`). The machine is shared and noisy:
+only ratios within one run mean much, and `loadavg` says how busy it was.
 
 TorchRec is an optional peer, never installed by this script: `make peers` installs
 torchrec and fbgemm-gpu-cpu with `--no-deps` over the pinned torch (their metadata
@@ -132,6 +172,9 @@ Usage::
                                                    # rank, 30 steps, 1 thread: ~3 minutes
     .venv/bin/python bench/vs_torchrec.py --cells 1m_1proc --table-precision fp16
     .venv/bin/python bench/vs_torchrec.py --cells 1m_1proc,1m_2ranks --via-cli
+    sudo .venv/bin/python bench/vs_torchrec.py --cells 1m_2ranks --link 1gbit \
+        --comm-precision bf16 --compare-comm-fp32  # a 1 Gbit/s link; TorchRec with QComms
+    .venv/bin/python bench/vs_torchrec.py --cells 1m_2ranks --embedding-dim 64
 """
 
 from __future__ import annotations
@@ -168,8 +211,10 @@ REPO = Path(__file__).resolve().parent.parent
 # First, so that `data_prep` is the package and not bench/data_prep.py beside this file.
 sys.path.insert(0, str(REPO))
 
-EMBEDDING_DIM = 16
-BOTTOM_MLP = [32, 16]
+from bench import shaped_link  # noqa: E402
+
+EMBEDDING_DIM = 16  # --embedding-dim's default
+BOTTOM_HIDDEN = 32  # the bottom MLP's first layer; its last is the embedding dim
 TOP_MLP = [64, 32]
 NUM_DENSE = 2
 SPARSE_LR = 0.05
@@ -180,6 +225,14 @@ PREFETCH_BATCHES = 4  # recforge's train.prefetch_batches default; the same for 
 # Values generated per Parquet chunk: bounds the writer's memory at 1,000 columns.
 CHUNK_VALUES = 8_000_000
 ROW_GROUP = 65_536
+
+COMM_PRECISIONS = ("fp32", "bf16", "fp16")
+# Bytes of one value of the pooled embeddings and their gradients in TorchRec's all-to-alls:
+# fp32 as it ships, fp16 under its QComms codecs (the `qcomms` form).
+TORCHREC_VALUE_BYTES = {"plain": 4, "qcomms": 2}
+# What TorchRec's input all-to-all sends per id: the int64 id and its int32 length.
+TORCHREC_ID_BYTES = 8 + 4
+DENSE_VALUE_BYTES = 4  # fp32 dense gradients, all-reduced by DDP
 
 # --via-cli: the CTR config that ships, whose defaults a new user's run takes.
 SHIPPED_CTR_CONFIG = REPO / "configs" / "demo.yaml"
@@ -206,6 +259,8 @@ class Cell:
         world_size: Ranks (1: one process).
         batch_size: Rows per rank per step.
         data_dir: The shard directory both engines read.
+        embedding_dim: Width of every table (and of the bottom MLP's output) on both
+            engines.
     """
 
     name: str
@@ -213,6 +268,12 @@ class Cell:
     world_size: int
     batch_size: int
     data_dir: Path
+    embedding_dim: int = EMBEDDING_DIM
+
+
+def bottom_mlp(embedding_dim: int) -> list[int]:
+    """The bottom MLP's layer sizes: its output is one more vector of the dot interaction."""
+    return [BOTTOM_HIDDEN, embedding_dim]
 
 
 # -- data ------------------------------------------------------------------------------
@@ -324,8 +385,13 @@ def run_recforge(
     threads: int | None,
     table_precision: str,
     out: Path,
+    comm_precision: str | None = None,
 ) -> dict[str, Any]:
-    """Train `cell` with recforge's train stage; its steady-state figures."""
+    """Train `cell` with recforge's train stage; its steady-state figures.
+
+    `comm_precision` sets `train.comm_precision` (None: the config's default) in a tree
+    whose `TrainConfig` has the field; a tree without it trains as it always has.
+    """
     # Imported here, not at the top: the TorchRec ranks run this file too and must not
     # carry recforge's (and DeepSpeed's) modules in their resident memory.
     from training.config import TrainConfig
@@ -334,8 +400,8 @@ def run_recforge(
 
     config = TrainConfig(
         interaction="dot",
-        embedding_dim=EMBEDDING_DIM,
-        bottom_mlp=BOTTOM_MLP,
+        embedding_dim=cell.embedding_dim,
+        bottom_mlp=bottom_mlp(cell.embedding_dim),
         top_mlp=TOP_MLP,
         batch_size=cell.batch_size,
         lr=DENSE_LR,
@@ -353,6 +419,8 @@ def run_recforge(
         # Trees without the field leave the threads to OMP_NUM_THREADS alone.
         if "threads_per_rank" in TrainConfig.model_fields:
             config = TrainConfig(**{**config.model_dump(), "threads_per_rank": threads})
+    if comm_precision is not None and "comm_precision" in TrainConfig.model_fields:
+        config = TrainConfig(**{**config.model_dump(), "comm_precision": comm_precision})
     shutil.rmtree(out, ignore_errors=True)
     first_record: list[tuple[float, dict[str, Any]]] = []
 
@@ -379,7 +447,37 @@ def run_recforge(
         "final_loss": round(summary["final_loss"], 4),
         "threads_per_rank": rank_threads(json.loads((out / LAUNCH_FILE).read_text()), env),
         "table_precision": summary.get("table_precision", "fp32"),
+        # What the run says it sent; a tree without the field: what it was configured to.
+        "comm_precision": summary.get("comm_precision", getattr(config, "comm_precision", None)),
+        "wire_bytes_per_sample": summary.get("wire_bytes_per_sample"),
     }
+
+
+def comm_precision_default() -> str | None:
+    """recforge's `train.comm_precision` default; None in a tree without the field."""
+    from training.config import TrainConfig
+
+    field = TrainConfig.model_fields.get("comm_precision")
+    return None if field is None else field.default
+
+
+def wire_total(run: dict[str, Any] | None) -> float | None:
+    """A run's wire bytes per sample, all kinds; None where the run or its figure is missing."""
+    wire = (run or {}).get("wire_bytes_per_sample")
+    return None if not wire or wire.get("total") is None else float(wire["total"])
+
+
+def link_utilisation(run: dict[str, Any], link_bit_per_s: int | None) -> float | None:
+    """The share of the link's rate that a run's wire bytes fill at its samples/s.
+
+    All ranks' bytes over the rate of the one loopback they share (the namespace's): 1.0
+    means the link carried nothing but the run's collectives, at its full rate. None
+    without a link or without the run's wire bytes.
+    """
+    total = wire_total(run)
+    if link_bit_per_s is None or total is None:
+        return None
+    return round(total * run["samples_per_s"] * 8 / link_bit_per_s, 4)
 
 
 def steady_figures(
@@ -456,17 +554,23 @@ def write_raw_logs(data_dir: Path, raw_root: Path) -> Path:
 
 
 def cli_train_overrides(
-    cell: Cell, steps: int, log_every: int, table_precision: str, threads: int | None
+    cell: Cell,
+    steps: int,
+    log_every: int,
+    table_precision: str,
+    threads: int | None,
+    comm_precision: str | None = None,
 ) -> dict[str, Any]:
     """The `train` fields the bench sets over the shipped CTR config: its model and run length.
 
     Everything else (ZeRO stage, precision, checkpoints, TensorBoard, seed, threads unless
-    `threads` is given) stays as `SHIPPED_CTR_CONFIG` ships it.
+    `threads` is given, `comm_precision` unless it is given) stays as `SHIPPED_CTR_CONFIG`
+    ships it.
     """
     overrides: dict[str, Any] = {
         "interaction": "dot",
-        "embedding_dim": EMBEDDING_DIM,
-        "bottom_mlp": BOTTOM_MLP,
+        "embedding_dim": cell.embedding_dim,
+        "bottom_mlp": bottom_mlp(cell.embedding_dim),
         "top_mlp": TOP_MLP,
         "batch_size": cell.batch_size,
         "lr": DENSE_LR,
@@ -481,6 +585,8 @@ def cli_train_overrides(
     }
     if threads is not None:
         overrides["threads_per_rank"] = threads
+    if comm_precision is not None:
+        overrides["comm_precision"] = comm_precision
     return overrides
 
 
@@ -529,6 +635,7 @@ def run_recforge_cli(
     table_precision: str,
     workdir: Path,
     out: Path,
+    comm_precision: str | None = None,
 ) -> dict[str, Any]:
     """Train `cell` through `recforge run CONFIG --force train`; its train stage's figures.
 
@@ -539,7 +646,8 @@ def run_recforge_cli(
     data; train always runs (`--force train`); evaluate and export run when the trained
     model is new to the root. The figures come from the train output the run record
     names: `train_summary.json` and the progress windows of `train_log.jsonl` (the
-    windows the library mode reads).
+    windows the library mode reads). `comm_precision` sets `train.comm_precision` (None:
+    as shipped); the caller gives it only where the tree's `TrainConfig` has the field.
 
     Raises:
         RuntimeError: `recforge run` failed (with the tail of its stderr), or its run
@@ -550,7 +658,9 @@ def run_recforge_cli(
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     events = write_raw_logs(cell.data_dir, workdir / "raw")
-    overrides = cli_train_overrides(cell, steps, log_every, table_precision, threads)
+    overrides = cli_train_overrides(
+        cell, steps, log_every, table_precision, threads, comm_precision
+    )
     config_path = write_pipeline_config(cell, events, overrides, out / "pipeline.yaml")
     env = base_env()
     env.setdefault("PREFECT_HOME", str(workdir / "prefect"))
@@ -607,6 +717,14 @@ def run_recforge_cli(
         # What the shipped config's train.zero_stage came to (the DeepSpeed config's).
         "zero_stage": launch.get("ds_config", {}).get("zero_optimization", {}).get("stage"),
         "table_precision": summary.get("table_precision", "fp32"),
+        # What the run says it sent; a tree without the field: what it was configured to.
+        "comm_precision": summary.get(
+            "comm_precision",
+            yaml.safe_load(config_path.read_text())["train"].get(
+                "comm_precision", comm_precision_default()
+            ),
+        ),
+        "wire_bytes_per_sample": summary.get("wire_bytes_per_sample"),
         "pipeline_config": str(config_path),
         "run_record": str(record_path),
     }
@@ -629,7 +747,66 @@ def peer_versions() -> dict[str, str | None]:
     return versions
 
 
-def run_torchrec(
+class RankFailedError(RuntimeError):
+    """A TorchRec rank exited with an error; `rank` is the first one seen to fail."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def torchrec_wire_bytes(
+    batch_size: int,
+    tables_per_rank: list[int],
+    embedding_dim: int,
+    dense_params: int,
+    value_bytes: int = 4,
+) -> dict[str, float]:
+    """Bytes per sample that TorchRec's collectives send between ranks, by kind.
+
+    Computed from the sizes of the tensors each collective sends, not counted on the
+    wire: per rank, the bytes it sends to the other ranks in one step, summed over the
+    ranks, over the step's samples (B x W). Table-wise sharding (TorchRec's on CPU), one
+    id per feature and sample; rank r owns F_r of the F tables, D = `embedding_dim`:
+
+    - `ids`: the input all-to-all: rank r sends the id (int64) and length (int32) of
+      each of its B samples' F - F_r features owned elsewhere to their owner:
+      B (F - F_r) x 12 bytes.
+    - `rows`: the pooled embeddings' all-to-all, forward: rank r sends the pooled (B,
+      F_r, D) vectors of each other rank's samples: (W - 1) B F_r D x `value_bytes`.
+    - `row_grads`: their gradients, backward: rank r sends the (B, F - F_r, D) gradients
+      of the vectors it received: B (F - F_r) D x `value_bytes`.
+    - `dense_allreduce`: DDP's all-reduce of the fp32 dense gradients: a ring all-reduce
+      sends 2 (W - 1) / W x the dense parameters' bytes per rank.
+
+    The per-step split sizes (a few ints per feature and rank) are left out. One rank:
+    all zero.
+
+    Args:
+        batch_size: B, samples per rank per step.
+        tables_per_rank: F_r for each rank r (its length is W).
+        embedding_dim: D.
+        dense_params: Parameters DDP all-reduces (the MLPs: every non-embedding one).
+        value_bytes: Bytes of one pooled value or gradient: 4 (fp32), 2 under QComms fp16.
+
+    Returns:
+        Bytes per sample: `ids`, `rows`, `row_grads`, `dense_allreduce` and their `total`.
+    """
+    world_size, features = len(tables_per_rank), sum(tables_per_rank)
+    sent = dict.fromkeys(("ids", "rows", "row_grads", "dense_allreduce"), 0.0)
+    for own in tables_per_rank:
+        sent["ids"] += batch_size * (features - own) * TORCHREC_ID_BYTES
+        sent["rows"] += (world_size - 1) * batch_size * own * embedding_dim * value_bytes
+        sent["row_grads"] += batch_size * (features - own) * embedding_dim * value_bytes
+        sent["dense_allreduce"] += (
+            2 * (world_size - 1) / world_size * dense_params * DENSE_VALUE_BYTES
+        )
+    samples = batch_size * world_size
+    per_sample = {kind: value / samples for kind, value in sent.items()}
+    return {**per_sample, "total": sum(per_sample.values())}
+
+
+def torchrec_spec(
     cell: Cell,
     steps: int,
     warmup: int,
@@ -637,12 +814,13 @@ def run_torchrec(
     threads: int,
     table_precision: str,
     out: Path,
+    qcomms: bool,
 ) -> dict[str, Any]:
-    """Train `cell` with TorchRec in `cell.world_size` rank processes; rank 0's figures."""
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    spec = {
+    """What each TorchRec rank is told (`--torchrec-rank SPEC`): its data, model and run."""
+    return {
         "data_dir": str(cell.data_dir),
+        "embedding_dim": cell.embedding_dim,
+        "qcomms": qcomms,
         "batch_size": cell.batch_size,
         "steps": steps,
         "warmup": warmup,
@@ -651,6 +829,31 @@ def run_torchrec(
         "table_precision": table_precision,
         "out": str(out),
     }
+
+
+def run_torchrec(
+    cell: Cell,
+    steps: int,
+    warmup: int,
+    log_every: int,
+    threads: int,
+    table_precision: str,
+    out: Path,
+    qcomms: bool = False,
+) -> dict[str, Any]:
+    """Train `cell` with TorchRec in `cell.world_size` rank processes; rank 0's figures.
+
+    `qcomms`: the pooled embeddings' all-to-all sends fp16 both ways (TorchRec's QComms
+    codecs on the sharder), the `qcomms` form; otherwise fp32, the `plain` form.
+
+    Raises:
+        RankFailedError: A rank failed (the message has its log's tail); each failed
+            rank's first error line is in `out/rank-R.error` (`rank_error`).
+    """
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    form = "qcomms" if qcomms else "plain"
+    spec = torchrec_spec(cell, steps, warmup, log_every, threads, table_precision, out, qcomms)
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
@@ -685,7 +888,15 @@ def run_torchrec(
     launch_to_exit = time.time() - started
     results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(cell.world_size)]
     first = results[0]
+    wire = torchrec_wire_bytes(
+        cell.batch_size,
+        [r["tables"] for r in results],
+        cell.embedding_dim,
+        first["dense_params"],
+        TORCHREC_VALUE_BYTES[form],
+    )
     return {
+        "form": form,
         "samples_per_s": round(first["samples_per_s"]),
         "step_ms": first["step_ms"],
         "peak_rss_mb": [r["peak_rss_mb"] for r in results],
@@ -697,7 +908,22 @@ def run_torchrec(
         "tables_per_rank": [r["tables"] for r in results],
         # What FBGEMM's kernels hold the rows in, read back from the sharded tables.
         "table_dtype": sorted({dtype for r in results for dtype in r["table_dtypes"]}),
+        # From the sizes of the tensors the collectives send (torchrec_wire_bytes).
+        "wire_bytes_per_sample": {kind: round(value, 2) for kind, value in wire.items()},
     }
+
+
+def rank_error(out: Path, error: RankFailedError) -> str:
+    """The first line of the error that stopped a TorchRec run, as its failed rank wrote it.
+
+    Falls back to any rank's line, then to the first line of `error` itself (a rank killed
+    before it could write one).
+    """
+    named = out / f"rank-{error.rank}.error"
+    written = [named] if named.is_file() else sorted(out.glob("rank-*.error"))
+    if written:
+        return written[0].read_text().strip()
+    return str(error).splitlines()[0]
 
 
 def wait_ranks(ranks: list[tuple[subprocess.Popen[bytes], Path]]) -> None:
@@ -708,9 +934,10 @@ def wait_ranks(ranks: list[tuple[subprocess.Popen[bytes], Path]]) -> None:
         if failed:
             process, log = ranks[failed[0]]
             tail = log.read_text(errors="replace").splitlines()[-25:]
-            raise RuntimeError(
+            raise RankFailedError(
                 f"TorchRec rank {failed[0]} exited with {process.returncode} (log {log}):\n"
-                + "\n".join(tail)
+                + "\n".join(tail),
+                failed[0],
             )
         if all(code == 0 for code in codes):
             return
@@ -817,7 +1044,7 @@ def torchrec_rank(spec_path: Path) -> None:
     tables = [
         EmbeddingBagConfig(
             name=f"t_{feature['name']}",
-            embedding_dim=EMBEDDING_DIM,
+            embedding_dim=spec["embedding_dim"],
             num_embeddings=feature["num_embeddings"],
             feature_names=[feature["name"]],
             data_type=data_type,
@@ -830,7 +1057,7 @@ def torchrec_rank(spec_path: Path) -> None:
     model = DLRM(
         embedding_bag_collection=ebc,
         dense_in_features=len(dataset["dense"]),
-        dense_arch_layer_sizes=BOTTOM_MLP,
+        dense_arch_layer_sizes=bottom_mlp(spec["embedding_dim"]),
         over_arch_layer_sizes=[*TOP_MLP, 1],
         dense_device=cpu,
     )
@@ -846,14 +1073,30 @@ def torchrec_rank(spec_path: Path) -> None:
         topology=Topology(world_size=world_size, compute_device="cpu", local_world_size=world_size),
         constraints=constraints,
     )
-    sharders = [EmbeddingBagCollectionSharder()]
+    qcomm_codecs_registry = None
+    if spec["qcomms"]:
+        from torchrec.distributed.fbgemm_qcomm_codec import (
+            CommType,
+            QCommsConfig,
+            get_qcomm_codecs_registry,
+        )
+
+        # The pooled embeddings' all-to-all (and its gradients') in fp16; gloo has no bf16.
+        qcomm_codecs_registry = get_qcomm_codecs_registry(
+            QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16),
+            device=cpu,
+        )
+    sharders = [EmbeddingBagCollectionSharder(qcomm_codecs_registry=qcomm_codecs_registry)]
     group = dist.group.WORLD
     plan = planner.collective_plan(model, sharders, group)
     dmp = DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(group), device=cpu, plan=plan, sharders=sharders
     )
+    # Every parameter the fused embedding backward does not update: the MLPs, which DDP
+    # all-reduces.
+    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     dense_optimizer = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        dense_params,
         lambda params: torch.optim.AdamW(
             params, lr=DENSE_LR, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0
         ),
@@ -916,6 +1159,7 @@ def torchrec_rank(spec_path: Path) -> None:
         "rank": rank,
         "tables": own_tables,
         "table_dtypes": table_dtypes,
+        "dense_params": sum(param.numel() for param in dense_params.values()),
         "samples_per_s": steady_steps * batch_size * world_size / steady_seconds,
         "step_ms": with_total(step_ms),
         "peak_rss_mb": round(max(rss_samples, default=rss_mb()), 1),
@@ -951,12 +1195,116 @@ def build_cells(args: argparse.Namespace, steps: int) -> list[Cell]:
         key = f"f{len(sizes)}-rows{sum(sizes)}-n{samples}"
         data_dir = write_shard_dir(args.workdir / "data" / key, sizes, samples)
         world_size = 1 if name.endswith("1proc") else 2
-        cells.append(Cell(name, tuple(sizes), world_size, batch, data_dir))
+        cells.append(Cell(name, tuple(sizes), world_size, batch, data_dir, args.embedding_dim))
     return cells
 
 
 def ratio(numerator: float, denominator: float) -> float:
     return round(numerator / denominator, 3)
+
+
+def write_rank_error(spec_path: Path, error: BaseException) -> None:
+    """Leave a failed TorchRec rank's first error line beside its log (`rank_error` reads it)."""
+    lines = str(error).strip().splitlines()
+    line = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    out = Path(json.loads(spec_path.read_text())["out"])
+    (out / f"rank-{os.environ.get('RANK', '0')}.error").write_text(line + "\n")
+
+
+def link_rate(text: str) -> str:
+    """`--link`'s argparse type: a tc bit rate (`shaped_link.parse_rate`), kept as given."""
+    try:
+        shaped_link.parse_rate(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text.strip()
+
+
+def enter_link(rate: str) -> dict[str, Any]:
+    """Re-run this bench inside a loopback shaped to `rate`, or, already inside, check it.
+
+    Outside the link this process is replaced (`shaped_link.run_inside`: exit status 2
+    and one line on stderr where no link can be made here). Inside, it returns
+    `shaped_link.describe_link()`.
+
+    Raises:
+        SystemExit: The link this process runs inside is not `rate`, or is not shaped.
+    """
+    inside = shaped_link.current_link()
+    if inside is None:
+        argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+        shaped_link.run_inside(rate, argv, flag="--link")
+    if inside != shaped_link.parse_rate(rate):
+        raise SystemExit(
+            f"--link {rate}: this process already runs inside a link of {inside:,} bit/s "
+            f"({shaped_link.LINK_ENV} is set): unset {shaped_link.LINK_ENV} to measure a new one"
+        )
+    described = shaped_link.describe_link()
+    if not described["shaped"]:
+        raise SystemExit(
+            f"--link {rate}: {shaped_link.LINK_ENV} is set but lo has no tbf qdisc "
+            f"({described['qdisc']!r}): unset {shaped_link.LINK_ENV} and run again"
+        )
+    return described
+
+
+def run_torchrec_forms(
+    cell: Cell,
+    args: argparse.Namespace,
+    thread_counts: list[int],
+    log_every: int,
+    runs: Path,
+) -> dict[str, Any]:
+    """TorchRec's runs of `cell`: plain at each thread count, then QComms if asked for.
+
+    Returns:
+        The cell entry's TorchRec part: `torchrec` (the fastest form's best run),
+        `torchrec_by_threads` (the plain form's runs), `torchrec_by_form` (`plain`, and
+        `qcomms` under `--torchrec-qcomms` in a cell of 2 ranks: None where it failed)
+        and with it `torchrec_qcomms_error` (the failed rank's first error line, or None).
+    """
+    precision = args.table_precision
+    by_threads = {}
+    for threads in thread_counts:
+        by_threads[str(threads)] = run_torchrec(
+            cell,
+            args.steps,
+            args.warmup_steps,
+            log_every,
+            threads,
+            precision,
+            runs / cell.name / f"torchrec-{threads}t",
+        )
+        print(f"{cell.name} torchrec {threads}t {json.dumps(by_threads[str(threads)])}", flush=True)
+    plain = max(by_threads.values(), key=lambda run: run["samples_per_s"])
+    part: dict[str, Any] = {"torchrec_by_threads": by_threads}
+    by_form: dict[str, Any] = {"plain": plain}
+    # One process sends nothing between ranks: the codecs have nothing to change there.
+    if args.torchrec_qcomms and cell.world_size > 1:
+        # At the plain form's best thread count: the codecs change what is sent, not the
+        # compute that the thread count was chosen for.
+        threads = plain["threads_per_rank"]
+        out = runs / cell.name / f"torchrec-qcomms-{threads}t"
+        try:
+            by_form["qcomms"] = run_torchrec(
+                cell, args.steps, args.warmup_steps, log_every, threads, precision, out, True
+            )
+            part["torchrec_qcomms_error"] = None
+            print(f"{cell.name} torchrec qcomms {json.dumps(by_form['qcomms'])}", flush=True)
+        except RankFailedError as error:
+            # Compared without it: the plain form still stands for TorchRec.
+            by_form["qcomms"] = None
+            part["torchrec_qcomms_error"] = rank_error(out, error)
+            print(
+                f"{cell.name} torchrec qcomms failed, plain TorchRec compared: "
+                f"{part['torchrec_qcomms_error']} (logs in {out})",
+                file=sys.stderr,
+                flush=True,
+            )
+    ran = [run for run in by_form.values() if run is not None]
+    part["torchrec"] = max(ran, key=lambda run: run["samples_per_s"])
+    part["torchrec_by_form"] = by_form
+    return part
 
 
 def main() -> None:
@@ -995,12 +1343,49 @@ def main() -> None:
         help="run recforge through `recforge run` on the shipped CTR config (ingest, "
         "preprocess, shard, train, ...) instead of its train stage's library entry",
     )
+    parser.add_argument(
+        "--embedding-dim",
+        type=int,
+        default=EMBEDDING_DIM,
+        help="width of every table on both engines (and of the bottom MLP's output)",
+    )
+    parser.add_argument(
+        "--comm-precision",
+        choices=COMM_PRECISIONS,
+        default=None,
+        help="recforge's train.comm_precision: the rows and row gradients its ranks send "
+        "(default: recforge's own default)",
+    )
+    parser.add_argument(
+        "--compare-comm-fp32",
+        action="store_true",
+        help="train recforge once more per cell at comm_precision fp32: "
+        "wire_bytes_ratio_vs_fp32_<cell>",
+    )
+    parser.add_argument(
+        "--link",
+        type=link_rate,
+        default=None,
+        metavar="RATE",
+        help="run the whole bench inside a network namespace whose loopback is shaped to "
+        "RATE (a tc rate: 1gbit, 200mbit); needs root",
+    )
+    parser.add_argument(
+        "--torchrec-qcomms",
+        action="store_true",
+        help="also run TorchRec with fp16 QComms on its embedding all-to-alls (on under --link)",
+    )
     parser.add_argument("--recforge-only", action="store_true", help="no TorchRec; no ratios")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
     parser.add_argument("--quick", action="store_true", help="small tables, few steps")
     args = parser.parse_args()
     if args.torchrec_rank is not None:
-        torchrec_rank(args.torchrec_rank)
+        try:
+            torchrec_rank(args.torchrec_rank)
+        except BaseException as error:
+            # The parent names a failed form (QComms on gloo) by this line.
+            write_rank_error(args.torchrec_rank, error)
+            raise
         return
     if args.quick:
         args.small_rows, args.large_rows = 50_000, 400_000
@@ -1008,6 +1393,25 @@ def main() -> None:
         args.steps, args.warmup_steps, args.torchrec_threads = 30, 10, "1"
     if not 0 <= args.warmup_steps < args.steps:
         raise SystemExit(f"--warmup-steps must be in [0, --steps={args.steps})")
+    if args.embedding_dim < 1:
+        raise SystemExit(f"--embedding-dim {args.embedding_dim}: give a width of at least 1")
+    if args.compare_comm_fp32 and args.comm_precision == "fp32":
+        raise SystemExit(
+            "--compare-comm-fp32 compares a run against fp32: give --comm-precision bf16 or "
+            "fp16 (or leave it at recforge's default)"
+        )
+    # Before anything runs: both engines (and `recforge run`'s Prefect server) run inside.
+    link = enter_link(args.link) if args.link is not None else None
+    args.torchrec_qcomms = args.torchrec_qcomms or args.link is not None
+    # A tree whose TrainConfig has no comm_precision yet trains as it always has.
+    comm_field = comm_precision_default() is not None
+    if args.comm_precision is not None and not comm_field:
+        print(
+            f"--comm-precision {args.comm_precision}: this tree's TrainConfig has no "
+            "comm_precision field; recforge runs as before (its comm_precision figure is null)",
+            file=sys.stderr,
+        )
+    comm_precision = args.comm_precision if comm_field else None
     missing = missing_peers()
     if missing and not args.recforge_only:
         print(
@@ -1024,47 +1428,59 @@ def main() -> None:
     runs = args.workdir / "runs"
     precision = args.table_precision
 
-    def recforge_run(cell: Cell, steps: int, warmup: int, every: int, out: Path) -> dict[str, Any]:
+    def recforge_run(
+        cell: Cell, steps: int, warmup: int, every: int, out: Path, comm: str | None
+    ) -> dict[str, Any]:
         threads = args.recforge_threads
         if args.via_cli:
+            cli_root = args.workdir / "cli"
             return run_recforge_cli(
-                cell, steps, warmup, every, threads, precision, args.workdir / "cli", out
+                cell, steps, warmup, every, threads, precision, cli_root, out, comm
             )
-        return run_recforge(cell, steps, warmup, every, threads, precision, out)
+        return run_recforge(cell, steps, warmup, every, threads, precision, out, comm)
 
     if not args.no_warmup:
         first = cells[0]
-        recforge_run(first, 4, 0, 2, runs / "warmup-recforge")
+        recforge_run(first, 4, 0, 2, runs / "warmup-recforge", comm_precision)
         if not args.recforge_only:
             run_torchrec(first, 4, 0, 2, thread_counts[0], precision, runs / "warmup-torchrec")
 
     figures: dict[str, Any] = {}
     cell_figures: dict[str, Any] = {}
+    link_bit_per_s = shaped_link.current_link() if link is not None else None
     for cell in cells:
         recforge = recforge_run(
-            cell, args.steps, args.warmup_steps, log_every, runs / cell.name / "recforge"
+            cell,
+            args.steps,
+            args.warmup_steps,
+            log_every,
+            runs / cell.name / "recforge",
+            comm_precision,
         )
         print(f"{cell.name} recforge {json.dumps(recforge)}", flush=True)
         entry: dict[str, Any] = {"recforge": recforge, "rows": sum(cell.table_sizes)}
+        figures[f"link_utilisation_{cell.name}"] = link_utilisation(recforge, link_bit_per_s)
+        fp32_total = None
+        # Without the field both runs would be the same run: nothing to compare.
+        if args.compare_comm_fp32 and comm_field:
+            at_fp32 = recforge_run(
+                cell,
+                args.steps,
+                args.warmup_steps,
+                log_every,
+                runs / cell.name / "recforge-comm-fp32",
+                "fp32",
+            )
+            print(f"{cell.name} recforge comm fp32 {json.dumps(at_fp32)}", flush=True)
+            entry["recforge_comm_fp32"] = at_fp32
+            fp32_total = wire_total(at_fp32)
+        total = wire_total(recforge)
+        figures[f"wire_bytes_ratio_vs_fp32_{cell.name}"] = (
+            ratio(total, fp32_total) if total is not None and fp32_total else None
+        )
         if not args.recforge_only:
-            by_threads = {}
-            for threads in thread_counts:
-                by_threads[str(threads)] = run_torchrec(
-                    cell,
-                    args.steps,
-                    args.warmup_steps,
-                    log_every,
-                    threads,
-                    precision,
-                    runs / cell.name / f"torchrec-{threads}t",
-                )
-                print(
-                    f"{cell.name} torchrec {threads}t {json.dumps(by_threads[str(threads)])}",
-                    flush=True,
-                )
-            torchrec = max(by_threads.values(), key=lambda run: run["samples_per_s"])
-            entry["torchrec"] = torchrec
-            entry["torchrec_by_threads"] = by_threads
+            entry |= run_torchrec_forms(cell, args, thread_counts, log_every, runs)
+            torchrec = entry["torchrec"]
             figures[f"vs_torchrec_{cell.name}"] = ratio(
                 recforge["samples_per_s"], torchrec["samples_per_s"]
             )
@@ -1083,16 +1499,23 @@ def main() -> None:
         cell_figures[cell.name] = entry
 
     print()
-    print("cell              engine    samples/s  step ms  peak RSS MB/rank  first step s")
+    print(
+        "cell              engine           samples/s  step ms  peak RSS MB/rank  first step s"
+        "  wire B/sample"
+    )
     for name, entry in cell_figures.items():
         for engine in ("recforge", "torchrec"):
             if engine in entry:
                 run = entry[engine]
                 first_step = run["time_to_first_step_s"]
+                wire = wire_total(run)
+                # TorchRec's figure is its faster form's.
+                label = f"{engine} ({run['form']})" if "form" in run else engine
                 print(
-                    f"{name:<17} {engine:<9} {run['samples_per_s']:>9,} "
+                    f"{name:<17} {label:<16} {run['samples_per_s']:>9,} "
                     f"{run['step_ms']['total']:>8.1f}  {max(run['peak_rss_mb']):>16,.0f}"
                     f"  {'-' if first_step is None else f'{first_step:.1f}':>12}"
+                    f"  {'-' if wire is None else f'{wire:,.0f}':>13}"
                 )
     if args.recforge_only:
         print("recforge only (--recforge-only): no TorchRec run, every ratio is null")
@@ -1112,7 +1535,13 @@ def main() -> None:
             "features": args.features,
             "wide_features": args.wide_features,
             "wide_rows_per_table": args.wide_rows_per_table,
-            "embedding_dim": EMBEDDING_DIM,
+            "embedding_dim": args.embedding_dim,
+            # What was asked for (None: recforge's default); each run says what it sent.
+            "comm_precision": args.comm_precision,
+            "link_mbit": None if link_bit_per_s is None else link_bit_per_s / 1e6,
+            # Read after the runs: its counters are every byte the loopback carried.
+            "link": shaped_link.describe_link() if link is not None else None,
+            "torchrec_qcomms": args.torchrec_qcomms and not args.recforge_only,
             "recforge_threads": args.recforge_threads,
             "torchrec_threads_tried": thread_counts,
             "versions": peer_versions(),

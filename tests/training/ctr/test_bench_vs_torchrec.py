@@ -3,15 +3,18 @@
 recforge's side always runs (the 2-rank wide cell: the exchange and 100 slots, in
 ~20 s; and `--via-cli --table-precision fp16` through `recforge run`, ~1 min); TorchRec's
 side only where the `peers` extra is installed (`make peers`), which a fresh clone's
-`make test` does not do. The pipeline config `--via-cli` writes is checked without
-training, fast.
+`make test` does not do. Checked without training, fast: the pipeline config `--via-cli`
+writes, the embedding width and comm precision reaching both engines' configs, TorchRec's
+wire-byte arithmetic, and `--link`'s refusal without root.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +28,7 @@ from flows.config import load_config
 
 BENCH = Path(__file__).resolve().parents[3] / "bench" / "vs_torchrec.py"
 PHASES = {"data", "lookup", "dense", "optimizer", "total"}
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 
 def load_bench() -> ModuleType:
@@ -163,3 +167,132 @@ def test_quick_via_cli_trains_through_recforge_run(tmp_path: Path) -> None:
     assert recforge["zero_stage"] == shipped_stage or (
         shipped_stage == "auto" and recforge["zero_stage"] in (0, 1, 2, 3)
     )
+
+
+def test_torchrec_wire_bytes_from_the_tensors_each_collective_sends() -> None:
+    bench = load_bench()
+    # B = 2 samples per rank, rank 0 owns 3 of the F = 4 tables, rank 1 owns 1; D = 4.
+    wire = bench.torchrec_wire_bytes(2, [3, 1], 4, dense_params=10)
+    samples = 2 * 2
+    # ids: rank 0 sends its 2 samples' 1 foreign id, rank 1 their 3: (2 + 6) x (8 + 4) B.
+    assert wire["ids"] == (2 * 1 + 2 * 3) * 12 / samples
+    # rows: rank 0's 3 pooled vectors for rank 1's 2 samples, rank 1's 1 for rank 0's.
+    assert wire["rows"] == (3 * 2 + 1 * 2) * 4 * 4 / samples
+    # row_grads: the gradients of the vectors each rank received go back to their owner.
+    assert wire["row_grads"] == (2 * 1 + 2 * 3) * 4 * 4 / samples
+    # dense: a ring all-reduce sends 2 (W - 1) / W of the 40 gradient bytes per rank.
+    assert wire["dense_allreduce"] == 2 * (2 * 1 / 2 * 10 * 4) / samples
+    assert wire["total"] == 24 + 32 + 32 + 20
+    # QComms fp16: the pooled values and gradients at 2 bytes, the rest unchanged.
+    fp16 = bench.torchrec_wire_bytes(2, [3, 1], 4, dense_params=10, value_bytes=2)
+    assert (fp16["rows"], fp16["row_grads"], fp16["ids"]) == (16, 16, 24)
+    assert fp16["total"] == 24 + 16 + 16 + 20
+    # One process sends nothing.
+    assert set(bench.torchrec_wire_bytes(2, [4], 4, 10).values()) == {0}
+
+
+def test_link_utilisation_and_wire_totals() -> None:
+    bench = load_bench()
+    run = {"samples_per_s": 1000, "wire_bytes_per_sample": {"total": 125.0, "ids": 125.0}}
+    # 125 B x 1,000 samples/s x 8 = 1 Mbit/s: a 1 Mbit/s link full, a 4 Mbit/s one a quarter.
+    assert bench.link_utilisation(run, 1_000_000) == 1.0
+    assert bench.link_utilisation(run, 4_000_000) == 0.25
+    assert bench.link_utilisation(run, None) is None
+    # A tree whose train stage does not count the bytes yet: null, never 0.
+    uncounted = {"samples_per_s": 1000, "wire_bytes_per_sample": None}
+    assert bench.link_utilisation(uncounted, 1_000_000) is None
+    assert bench.wire_total({"wire_bytes_per_sample": None}) is None
+    assert bench.wire_total(None) is None
+    assert bench.wire_total(run) == 125.0
+
+
+def test_embedding_dim_and_comm_precision_reach_both_engines(tmp_path: Path) -> None:
+    bench = load_bench()
+    args = argparse.Namespace(
+        cells="1m_2ranks",
+        batch_size=4,
+        features=2,
+        small_rows=100,
+        large_rows=200,
+        wide_features=3,
+        wide_rows_per_table=10,
+        wide_batch_size=2,
+        workdir=tmp_path,
+        embedding_dim=8,
+    )
+    (cell,) = bench.build_cells(args, 2)
+    assert cell.embedding_dim == 8
+    overrides = bench.cli_train_overrides(cell, 10, 5, "fp32", None, "bf16")
+    # The bottom MLP's output is one more vector of the dot interaction: D wide.
+    assert (overrides["embedding_dim"], overrides["bottom_mlp"]) == (8, [32, 8])
+    assert overrides["comm_precision"] == "bf16"
+    # Not asked for: the shipped config's (or TrainConfig's) default stands.
+    assert "comm_precision" not in bench.cli_train_overrides(cell, 10, 5, "fp32", None)
+    spec = bench.torchrec_spec(cell, 10, 5, 5, 1, "fp32", tmp_path / "out", True)
+    assert (spec["embedding_dim"], spec["qcomms"], spec["batch_size"]) == (8, True, 4)
+    # Without the flag the bench's model is the one it has always measured.
+    assert bench.Cell("c", (1,), 1, 1, tmp_path).embedding_dim == 16
+
+
+def test_rank_error_names_the_rank_that_failed_first(tmp_path: Path) -> None:
+    bench = load_bench()
+    (tmp_path / "rank-0.error").write_text("RuntimeError: Connection closed by peer\n")
+    (tmp_path / "rank-1.error").write_text("NotImplementedError: fp16 all-to-all on gloo\n")
+    error = bench.RankFailedError("TorchRec rank 1 exited with 1 (log x):\ntail", 1)
+    assert bench.rank_error(tmp_path, error) == "NotImplementedError: fp16 all-to-all on gloo"
+    # A rank killed before it wrote one: the parent's own first line.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert bench.rank_error(empty, error) == "TorchRec rank 1 exited with 1 (log x):"
+
+
+def test_link_refuses_a_bad_rate_and_no_root_in_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bench = load_bench()
+    monkeypatch.delenv(bench.shaped_link.LINK_ENV, raising=False)
+    argv = ["vs_torchrec.py", "--workdir", str(tmp_path), "--recforge-only", "--link"]
+    monkeypatch.setattr(sys, "argv", [*argv, "fast"])
+    with pytest.raises(SystemExit) as exited:
+        bench.main()
+    assert exited.value.code == 2
+    assert "--link: link rate 'fast'" in capsys.readouterr().err
+
+    monkeypatch.setattr(bench.shaped_link.os, "geteuid", lambda: 1000)
+
+    def no_exec(*args: object) -> None:
+        raise AssertionError(f"--link executed {args} without root")
+
+    monkeypatch.setattr(bench.shaped_link.os, "execvpe", no_exec)
+    monkeypatch.setattr(sys, "argv", [*argv, "1gbit"])
+    with pytest.raises(SystemExit) as exited:
+        bench.main()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--link needs root to make a network namespace" in err and "or drop --link" in err
+    # Refused before anything ran: no data written.
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_link_refuses_a_non_root_user(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        prefix: list[str] = []
+    elif shutil.which("setpriv") is not None:
+        prefix = NOBODY
+    else:
+        pytest.skip("root without setpriv (util-linux): no way to run as another user here")
+    # A folder nobody can write: the bench must refuse before it would write its data.
+    workdir = tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if k != "RECFORGE_SHAPED_LINK"}
+    result = subprocess.run(
+        [*prefix, sys.executable, str(BENCH), "--link", "1gbit", "--recforge-only"]
+        + ["--quick", "--cells", "1m_2ranks", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "--link needs root to make a network namespace (unshare -n)" in result.stderr
+    assert not workdir.exists()
