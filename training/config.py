@@ -365,10 +365,12 @@ class TrainConfig(BaseModel):
     )
     overlap_exchange: bool = Field(
         True,
-        description="Send the sharded rows' gradients to their owners as soon as the "
-        "backward has them, on a process group of their own, and go on with the dense "
-        "all-reduce and step while they travel (embeddings: sharded, world_size >= 2). "
-        "The model is bitwise the same either way; false waits for each exchange.",
+        description="Hide the sharded table's exchanges behind compute (embeddings: "
+        "sharded, world_size >= 2), on a process group of their own: the next batch's ids "
+        "go to their owners while the current batch computes, and the rows' gradients go "
+        "as soon as the backward has them while the dense all-reduce and step run. A "
+        "resume checkpoint leaves the batch in flight unconsumed. The model is bitwise "
+        "the same either way; false waits for each exchange.",
     )
     loss_scale: float = Field(
         0.0, ge=0, description="fp16 only: a static loss scale, or 0 for dynamic loss scaling."

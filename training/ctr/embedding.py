@@ -674,6 +674,32 @@ def decode_grads(sent: torch.Tensor, precision: CommPrecision) -> torch.Tensor:
 
 
 @dataclass
+class InputDist:
+    """A batch's ids on their way to their owners (`ShardedEmbedding.distribute`).
+
+    Attributes:
+        unique_ids: (U,) sorted global ids of the batch.
+        inverse: (M,) index of each id in unique_ids.
+        id_counts: (U,) occurrences of each (admission, training), else None.
+        send_order: (U,) permutation grouping unique_ids by owner; None with one rank.
+        send_splits: Ids sent to each rank.
+        recv_splits: Ids received from each rank (as owner).
+        received: What arrives: (R, k) bytes of the narrowed local rows (and counts);
+            None with one rank.
+        work: The exchange to wait for before reading `received`; None once done.
+    """
+
+    unique_ids: torch.Tensor
+    inverse: torch.Tensor
+    id_counts: torch.Tensor | None
+    send_order: torch.Tensor | None
+    send_splits: list[int]
+    recv_splits: list[int]
+    received: torch.Tensor | None
+    work: dist.Work | None
+
+
+@dataclass
 class LookupContext:
     """What `lookup` remembers for sending the gradients back.
 
@@ -847,23 +873,18 @@ class ShardedEmbedding:
         return self.counts >= self.admission_min_count
 
     # -- forward --------------------------------------------------------------------
-    def lookup(
-        self, ids: torch.Tensor, train: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, LookupContext]:
-        """Fetch the rows of a batch's global ids from their owners.
+    def distribute(self, ids: torch.Tensor, train: bool = True) -> InputDist:
+        """Send a batch's ids to their owners, without waiting for them to arrive.
+
+        The first half of `lookup` (its input distribution): a caller that has the next
+        batch can start it while the current one computes, and hand the result to
+        `lookup` later. Ids do not change with the rows, so the rows looked up then are
+        bitwise those of a `lookup` of the ids.
 
         Args:
             ids: (M,) int64 global ids (any order, duplicates allowed).
             train: Count the ids for admission (training); False only reads.
-
-        Returns:
-            rows: (U, D) float32 leaf tensor with requires_grad, the rows of the
-                unique ids (not-admitted ids get their stored row; the caller swaps
-                in the default row).
-            inverse: (M,) index of each id in the unique ids.
-            context: For `accumulate_gradients`.
         """
-        self._settle()  # the exchanges on this group run in order
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
             raise ValueError(
                 f"embedding ids must be in [0, {self.num_rows}), got "
@@ -872,30 +893,60 @@ class ShardedEmbedding:
         unique_ids, inverse, id_counts = unique_inverse(
             ids, self.num_rows, with_counts=self._admission and train
         )
-        num_unique = unique_ids.numel()
         if self.world_size == 1:  # this rank owns every row: no exchange, no reordering
-            send_order = None
-            send_splits_list = recv_splits_list = [num_unique]
-            recv_local = unique_ids
-            recv_counts = id_counts
+            splits = [unique_ids.numel()]
+            return InputDist(unique_ids, inverse, id_counts, None, splits, splits, None, None)
+        owner = unique_ids % self.world_size
+        send_order = group_by_owner(owner, self.world_size)
+        send_splits = torch.bincount(owner, minlength=self.world_size)
+        recv_splits = self._exchange_counts(send_splits)
+        send_splits_list, recv_splits_list = send_splits.tolist(), recv_splits.tolist()
+        # Each owner gets its local rows, narrowed (the module docstring).
+        payload = (unique_ids.index_select(0, send_order) // self.world_size).to(self._id_dtype)
+        if id_counts is not None:
+            counts = id_counts.index_select(0, send_order).to(self._id_dtype)
+            payload = torch.stack([payload, counts], dim=1)
         else:
-            owner = unique_ids % self.world_size
-            send_order = group_by_owner(owner, self.world_size)
-            send_splits = torch.bincount(owner, minlength=self.world_size)
-            recv_splits = self._exchange_counts(send_splits)
-            send_splits_list, recv_splits_list = send_splits.tolist(), recv_splits.tolist()
-            # Each owner gets its local rows, narrowed (the module docstring).
-            payload = (unique_ids.index_select(0, send_order) // self.world_size).to(self._id_dtype)
-            if id_counts is not None:
-                counts = id_counts.index_select(0, send_order).to(self._id_dtype)
-                payload = torch.stack([payload, counts], dim=1)
-            else:
-                payload = payload[:, None]
-            # As raw bytes: neither gloo nor NCCL takes int16, a byte view travels anywhere.
-            received = self._all_to_all(
-                payload.view(torch.uint8), recv_splits_list, send_splits_list, "ids"
-            )
-            received = received.view(self._id_dtype).long()
+            payload = payload[:, None]
+        # As raw bytes: neither gloo nor NCCL takes int16, a byte view travels anywhere.
+        received, work = self._send(
+            payload.view(torch.uint8), recv_splits_list, send_splits_list, "ids", wait=False
+        )
+        return InputDist(
+            unique_ids, inverse, id_counts, send_order, send_splits_list, recv_splits_list,
+            received, work,
+        )  # fmt: skip
+
+    def lookup(
+        self, ids: torch.Tensor | InputDist, train: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, LookupContext]:
+        """Fetch the rows of a batch's global ids from their owners.
+
+        Args:
+            ids: (M,) int64 global ids (any order, duplicates allowed), or what
+                `distribute` returned for them.
+            train: Count the ids for admission (training); False only reads. Ignored
+                for a `distribute` result, which was given it.
+
+        Returns:
+            rows: (U, D) float32 leaf tensor with requires_grad, the rows of the
+                unique ids (not-admitted ids get their stored row; the caller swaps
+                in the default row).
+            inverse: (M,) index of each id in the unique ids.
+            context: For `accumulate_gradients`.
+        """
+        self._settle()  # the gradients of the last micro batch are in the sums
+        sent = ids if isinstance(ids, InputDist) else self.distribute(ids, train)
+        unique_ids, inverse, id_counts = sent.unique_ids, sent.inverse, sent.id_counts
+        num_unique = unique_ids.numel()
+        send_order = sent.send_order
+        send_splits_list, recv_splits_list = sent.send_splits, sent.recv_splits
+        if sent.received is None:  # one rank
+            recv_local, recv_counts = unique_ids, id_counts
+        else:
+            if sent.work is not None:
+                sent.work.wait()
+            received = sent.received.view(self._id_dtype).long()
             recv_local = received[:, 0]
             recv_counts = received[:, 1] if id_counts is not None else None
 
@@ -908,8 +959,9 @@ class ShardedEmbedding:
         if send_order is None:
             rows = reply
         else:
-            sent = reply.to(COMM_DTYPES[self.comm_precision])
-            returned = self._all_to_all(sent, send_splits_list, recv_splits_list, "rows").float()
+            outgoing = reply.to(COMM_DTYPES[self.comm_precision])
+            returned = self._all_to_all(outgoing, send_splits_list, recv_splits_list, "rows")
+            returned = returned.float()
             rows = returned.new_empty((num_unique, returned.shape[1]))
             rows.index_copy_(0, send_order, returned)
         if self.counts is not None:

@@ -367,13 +367,18 @@ class ShardReader:
         self._consumed += 1
         return item
 
-    def position(self) -> dict[str, int]:
+    def position(self, held: int = 0) -> dict[str, int]:
         """Where the caller is: batches consumed so far, decoded-ahead ones not counted.
+
+        Args:
+            held: Batches the caller took but has not trained yet (a batch whose ids
+                went out ahead of its step): they count as not consumed, so that a
+                resume reads them again.
 
         Returns:
             {"epoch": e, "step": k}: k batches of epoch e consumed, 0 <= k < steps_per_epoch.
         """
-        epoch, step = divmod(self._consumed, self.steps_per_epoch)
+        epoch, step = divmod(self._consumed - held, self.steps_per_epoch)
         return {"epoch": epoch, "step": step}
 
     def restore(self, position: dict[str, int]) -> None:

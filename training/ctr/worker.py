@@ -53,6 +53,7 @@ import pickle
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -75,6 +76,7 @@ from training.ctr.consolidate import table_chunks, table_tensors, write_table
 from training.ctr.data import Batch, load_dataset_meta
 from training.ctr.embedding import (
     WIRE_KINDS,
+    InputDist,
     ShardedEmbedding,
     init_rows,
     reshard_state,
@@ -225,20 +227,21 @@ class SparseInputs:
         offsets: (F,) start row of each feature in the fused table.
         store: The rank's embedding shard.
         with_features: Also compute each row's feature (for admission defaults).
+        sent: The batch's ids as `distribute_ahead` sent them, or None to send them now.
     """
 
     def __init__(
-        self, batch: Batch, offsets: torch.Tensor, store: ShardedEmbedding, with_features: bool
+        self,
+        batch: Batch,
+        offsets: torch.Tensor,
+        store: ShardedEmbedding,
+        with_features: bool,
+        sent: InputDist | None = None,
     ) -> None:
-        num_single = batch.sparse.shape[1]
-        single = batch.sparse + offsets[:num_single]  # (B, Fs) global rows
-        multi = [
-            torch.where(ids >= 0, ids + offsets[num_single + i], ids)
-            for i, ids in enumerate(batch.multi_hot)
-        ]
-        valid = [ids[ids >= 0] for ids in multi]
+        single, multi, valid = self._global_rows(batch, offsets)
         flat = torch.cat([single.flatten(), *valid])
-        self.rows, inverse, self.context = store.lookup(flat)
+        # `sent`: the ids went out ahead (`distribute_ahead`); the rows are read now.
+        self.rows, inverse, self.context = store.lookup(flat if sent is None else sent)
         self.sparse_index = inverse[: single.numel()].view_as(single)  # (B, Fs)
         self.multi_index: list[torch.Tensor] = []
         start = single.numel()
@@ -258,6 +261,28 @@ class SparseInputs:
             if with_features
             else None
         )
+
+    @staticmethod
+    def _global_rows(
+        batch: Batch, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """(B, Fs) single-valued global rows, each multi-hot feature's (B, L) (-1 where
+        padded) and its valid ones."""
+        num_single = batch.sparse.shape[1]
+        single = batch.sparse + offsets[:num_single]  # (B, Fs) global rows
+        multi = [
+            torch.where(ids >= 0, ids + offsets[num_single + i], ids)
+            for i, ids in enumerate(batch.multi_hot)
+        ]
+        return single, multi, [ids[ids >= 0] for ids in multi]
+
+    @classmethod
+    def distribute_ahead(
+        cls, batch: Batch, offsets: torch.Tensor, store: ShardedEmbedding
+    ) -> InputDist:
+        """Send `batch`'s ids to their owners now, for its `SparseInputs` later."""
+        single, _, valid = cls._global_rows(batch, offsets)
+        return store.distribute(torch.cat([single.flatten(), *valid]))
 
     def _send_gradients(self, store: ShardedEmbedding, grad: torch.Tensor) -> None:
         """The rows' gradient hook: send it to the owners as soon as autograd has it."""
@@ -692,12 +717,22 @@ def _train_steps(state: _Rank, log_file: IO[str] | None, writer: Any) -> None:
     with_features = config.admission_min_count >= 2
     window_started = time.monotonic()
     batches = iter(state.reader)
+    # The next micro batch and its ids, sent while this one computes (overlap_exchange).
+    ahead: tuple[Batch, InputDist] | None = None
+
+    def distribute_next() -> None:
+        nonlocal ahead
+        if store is not None and store.overlap and counters.micro_done + 1 < micro_total:
+            upcoming = next(batches)
+            ahead = (upcoming, SparseInputs.distribute_ahead(upcoming, offsets, store))
+
     while counters.micro_done < micro_total:
         t0 = time.perf_counter()
-        batch = next(batches)
+        batch, sent = ahead if ahead is not None else (next(batches), None)
+        ahead = None
         t1 = time.perf_counter()
         loss, inputs, t2, t3 = _forward_backward(
-            engine, store, batch, input_dtype, offsets, with_features
+            engine, store, batch, input_dtype, offsets, with_features, sent, distribute_next
         )
         _optimizer_step(engine, store, inputs, config, counters)
         t4 = time.perf_counter()
@@ -708,7 +743,7 @@ def _train_steps(state: _Rank, log_file: IO[str] | None, writer: Any) -> None:
         if counters.micro_done % config.grad_accum_steps:
             continue
         counters.step += 1
-        _checkpoint_step(state)
+        _checkpoint_step(state, held=0 if ahead is None else 1)
         if counters.step % config.log_every and counters.step != total_steps:
             continue
         record, now = _progress_record(state, window_started)
@@ -727,11 +762,15 @@ def _forward_backward(
     input_dtype: torch.dtype,
     offsets: torch.Tensor,
     with_features: bool,
+    sent: InputDist | None = None,
+    after_lookup: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, SparseInputs | None, float, float]:
     """One micro batch's loss and backward.
 
-    With sharded embeddings the ids are first looked up (both all-to-alls); their
-    `SparseInputs` carry the rows' gradients to `_optimizer_step`.
+    With sharded embeddings the ids are first looked up (both all-to-alls, or only the
+    rows' when `sent` holds the ids sent ahead); their `SparseInputs` carry the rows'
+    gradients to `_optimizer_step`. `after_lookup` runs between the lookup and the
+    forward: where the next batch's ids go out, to travel while this batch computes.
 
     Returns:
         (loss, the sparse inputs or None, perf_counter at the end of the lookup, at the
@@ -740,7 +779,9 @@ def _forward_backward(
     dense = batch.dense.to(engine.device, dtype=input_dtype)
     labels = batch.labels.to(engine.device)
     if store is not None:
-        inputs = SparseInputs(batch, offsets, store, with_features)
+        inputs = SparseInputs(batch, offsets, store, with_features, sent)
+        if after_lookup is not None:
+            after_lookup()
         device = engine.device
         t2 = time.perf_counter()
         logits = engine(
@@ -781,8 +822,11 @@ def _optimizer_step(
             store.discard_gradients()
 
 
-def _checkpoint_step(state: _Rank) -> None:
+def _checkpoint_step(state: _Rank, held: int = 0) -> None:
     """Every rank, after a step: save a resume checkpoint when one is due or SIGTERM came.
+
+    `held`: batches taken from the reader whose steps have not run (the next one, its
+    ids sent ahead); the checkpoint's reader position leaves them unconsumed.
 
     One is due every train.checkpoint_every steps and once train.checkpoint_every_s
     seconds have passed on rank 0 since the start or the last save.
@@ -803,7 +847,7 @@ def _checkpoint_step(state: _Rank) -> None:
         resume_store,
         state.engine,
         state.store,
-        state.reader,
+        _HeldBack(state.reader, held),
         {"step": step, "micro_done": state.counters.micro_done},
         spec["config_fingerprint"],
         spec.get("chaos", {}).get("checkpoint_fault", ""),
@@ -817,6 +861,17 @@ def _checkpoint_step(state: _Rank) -> None:
             f"stopped by SIGTERM after step {step}; its resume checkpoint is "
             f"committed under {resume_store.root}"
         )
+
+
+@dataclass(frozen=True)
+class _HeldBack:
+    """The reader as a resume checkpoint sees it: `held` taken batches not yet trained."""
+
+    reader: ShardReader
+    held: int
+
+    def position(self) -> dict[str, int]:
+        return self.reader.position(held=self.held)
 
 
 def _progress_record(state: _Rank, window_started: float) -> tuple[dict[str, Any], float]:
