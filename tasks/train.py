@@ -213,7 +213,7 @@ def train_task(
                 if result.comm_precision is not None
                 else {}
             ),
-            # Bytes all ranks sent each other per sample, by kind (CTR models).
+            # Bytes all ranks sent each other per sample, by kind (families that count them).
             **(
                 {"wire_bytes_per_sample": result.wire_bytes_per_sample}
                 if result.wire_bytes_per_sample is not None
