@@ -22,6 +22,7 @@ from pathlib import Path
 from artifacts.checkpoints import (
     MANIFEST,
     CheckpointStore,
+    chain_steps,
     checkpoint_name,
     checkpoint_place,
     parse_step,
@@ -88,7 +89,8 @@ class CheckpointMirror:
                 and only what reached the store is known to every node).
 
         The checkpoints the resume point's meta pins (a sequence model's best validation
-        step) are downloaded too when they are not local.
+        step, and the chain a differential checkpoint builds on) are downloaded too when
+        they are not local.
 
         Returns:
             The step downloaded, or None (nothing remote, or nothing newer).
@@ -258,14 +260,15 @@ class CheckpointMirror:
     def _prune(self) -> None:
         """Remove remote checkpoints older than the `keep` newest committed ones.
 
-        The steps the newest one's meta names as "pinned" (a sequence model's best
-        validation step, whose weights become the model) are kept too.
+        The steps the kept ones' meta pins (a sequence model's best validation step,
+        whose weights become the model; the chain a differential checkpoint builds on)
+        are kept too.
         """
         committed = sorted(self._remote_steps(committed=True), reverse=True)
         if len(committed) < self.keep:
             return
         cutoff = committed[self.keep - 1]
-        pinned = self._pinned(committed[0])
+        pinned = set().union(*(self._pinned(step) for step in committed[: self.keep]))
         fs, _ = filesystem(self.url)
         for step in self._remote_steps(committed=False):
             if step < cutoff and step not in pinned:
@@ -287,12 +290,16 @@ class CheckpointMirror:
 
 
 def _pinned_steps(manifest: dict) -> set[int]:
-    """The steps a verified checkpoint manifest's meta pins; none when malformed."""
+    """The steps a verified checkpoint manifest's meta pins (its "pinned" steps and
+    the chain it builds on); none when malformed."""
     meta = manifest.get("meta")
-    pinned = meta.get("pinned", []) if isinstance(meta, dict) else []
-    if not isinstance(pinned, list):
+    if not isinstance(meta, dict):
         return set()
-    return {step for step in pinned if isinstance(step, int) and not isinstance(step, bool)}
+    pinned = meta.get("pinned", [])
+    chain = set(chain_steps(meta))
+    if not isinstance(pinned, list):
+        return chain
+    return chain | {step for step in pinned if isinstance(step, int) and not isinstance(step, bool)}
 
 
 def url_key(location: str | Path) -> str:

@@ -48,6 +48,15 @@ Each rank must fsync its own files because on a shared filesystem a file's dirty
 pages live on the node that wrote it; rank 0's fsync in `commit` covers only what
 its own node wrote (on a single node it covers everything).
 
+Chains (differential checkpoints, issue 41): a checkpoint whose meta has a `chain` holds
+only what changed since the checkpoint before it, and is whole only with the
+checkpoints it builds on. `chain` lists them, base first, each as {"step",
+"manifest_sha256", ...}: the sha256 of that checkpoint's `_manifest.json`, so the
+signed meta of the newest checkpoint binds every byte of its chain. A checkpoint
+counts as valid (for `latest_valid`, `prepare` and retention) only when every member
+of its chain is committed, verifies and has that manifest; retention keeps the chains
+of the checkpoints it keeps, and removes a chain once a newer base replaces it.
+
 Reads and writes only under `root`; no Prefect, no torch, no environment.
 """
 
@@ -72,6 +81,8 @@ from artifacts.signing import SignatureError, loads_verified, place, sign
 
 MANIFEST = "_manifest.json"
 POINTER = "latest"
+# Meta key of a differential checkpoint: the checkpoints it builds on, base first.
+CHAIN = "chain"
 STAGING = ".staging"
 
 # Where `fault` is called during `commit`, in order. A death at any point before
@@ -107,11 +118,14 @@ class Checkpoint:
         path: The checkpoint directory, `root/step-NNNNNNNN`.
         step: The training step it was saved at.
         meta: The `meta` dict given to `commit` (e.g. the resolved config).
+        chain: The committed checkpoints it builds on (its meta's `chain`), base
+            first, each verified too; empty for a whole checkpoint.
     """
 
     path: Path
     step: int
     meta: dict[str, Any]
+    chain: tuple[Path, ...] = ()
 
 
 def checkpoint_name(step: int) -> str:
@@ -274,7 +288,7 @@ class CheckpointStore:
             self._log(f"checkpoint: removing {leftover}, left by an unfinished save or cleanup")
             _remove(leftover)
         if target.exists():
-            reason = self.verify(target)
+            reason = self.verify(target) or self._chain_problem(target, hashes=True, seen={})
             if reason is None:
                 raise CheckpointExists(
                     f"step {step} is already committed at {target}; resume from it "
@@ -425,10 +439,14 @@ class CheckpointStore:
             self._log(f"checkpoint: ignoring unfinished saves in {STAGING}/: {', '.join(staged)}")
         rejected: list[tuple[str, str]] = []
         found: Checkpoint | None = None
+        seen: dict[int, str | None] = {}  # chain members already checked: step -> reason
         for step, path in reversed(self._committed()):
             manifest, reason = _check(path, self.fingerprint, hashes=True)
             if reason is None and manifest is not None:
-                found = Checkpoint(path=path, step=step, meta=manifest["meta"])
+                reason = self._chain_problem(path, hashes=True, seen=seen, manifest=manifest)
+            if reason is None and manifest is not None:
+                chain = tuple(self.checkpoint_dir(s) for s in chain_steps(manifest["meta"]))
+                found = Checkpoint(path=path, step=step, meta=manifest["meta"], chain=chain)
                 break
             self._log(f"checkpoint: skipping invalid {path.name}: {reason}")
             rejected.append((path.name, str(reason)))
@@ -440,6 +458,41 @@ class CheckpointStore:
                 "backup, or delete the directory to train from scratch on purpose"
             )
         return found
+
+    def _chain_problem(
+        self,
+        path: Path,
+        hashes: bool,
+        seen: dict[int, str | None],
+        manifest: dict[str, Any] | None = None,
+    ) -> str | None:
+        """Why the chain the checkpoint at `path` builds on is not whole, or None.
+
+        Each member must be committed under root, verify (with `hashes`: every file's
+        sha256) and have the manifest whose sha256 the chain records. `seen` caches
+        members' own checks between calls of one scan.
+        """
+        if manifest is None:
+            manifest, reason = _check(path, self.fingerprint, hashes=False)
+            if manifest is None:
+                return reason
+        try:
+            members = chain_members(manifest["meta"])
+        except ValueError as err:
+            return f"malformed {MANIFEST} meta: {err}"
+        own = parse_step(path.name)
+        for step, manifest_sha256 in members:
+            member = self.checkpoint_dir(step)
+            if own is not None and step >= own:
+                return f"its {CHAIN} names {member.name}, which is not older than it"
+            if step not in seen:
+                seen[step] = _check(member, self.fingerprint, hashes)[1]
+            reason = seen[step]
+            if reason is None and file_sha256(member / MANIFEST) != manifest_sha256:
+                reason = f"{MANIFEST} is not the one the chain recorded (replaced)"
+            if reason is not None:
+                return f"it builds on {member.name}, which is not usable: {reason}"
+        return None
 
     def _point(self, name: str) -> None:
         """Call the fault hook, if any, at a named point of `commit`."""
@@ -459,20 +512,31 @@ class CheckpointStore:
 
     def _retain(self, just_committed: Path) -> None:
         """Remove checkpoints older than the `keep`-th newest structurally valid one,
-        but the pinned ones."""
+        but the pinned ones and the chains (`CHAIN`) of those kept."""
         valid = 0
         cutoff: int | None = None
+        needed = set(self._pinned)
         committed = self._committed()
+        seen: dict[int, str | None] = {}
         for step, path in reversed(committed):
-            if _check(path, self.fingerprint, hashes=False)[1] is None:
+            manifest, reason = _check(path, self.fingerprint, hashes=False)
+            if manifest is not None and reason is None:
+                reason = self._chain_problem(path, hashes=False, seen=seen, manifest=manifest)
+            if reason is None and manifest is not None:
                 valid += 1
+                needed.update(chain_steps(manifest["meta"]))
                 if valid == self.keep:
                     cutoff = step
                     break
         if cutoff is None:
             return
+        for step in set(self._pinned):  # a pinned checkpoint keeps its chain too
+            pinned = self.checkpoint_dir(step)
+            manifest, _ = _check(pinned, self.fingerprint, hashes=False)
+            if manifest is not None:
+                needed.update(chain_steps(manifest["meta"]))
         for step, path in committed:
-            if step < cutoff and path != just_committed and step not in self._pinned:
+            if step < cutoff and path != just_committed and step not in needed:
                 self._discard(path, fault_point="mid-retention")
 
     def _discard(self, path: Path, fault_point: str | None) -> None:
@@ -518,6 +582,45 @@ class CheckpointStore:
                 f"checkpoint: {POINTER} names {pointer} but {found.path.name} is newer; "
                 "a save died before flipping the pointer"
             )
+
+
+def chain_members(meta: dict[str, Any]) -> list[tuple[int, str]]:
+    """(step, manifest sha256) of each checkpoint a checkpoint's meta builds on, base
+    first; empty for a whole checkpoint.
+
+    Raises:
+        ValueError: `chain` is not a list of {"step": int, "manifest_sha256": hex}
+            in increasing steps.
+    """
+    chain = meta.get(CHAIN, [])
+    if not isinstance(chain, list):
+        raise ValueError(f"{CHAIN} must be a list, got {type(chain).__name__}")
+    members: list[tuple[int, str]] = []
+    for entry in chain:
+        step = entry.get("step") if isinstance(entry, dict) else None
+        digest = entry.get("manifest_sha256") if isinstance(entry, dict) else None
+        if (
+            isinstance(step, bool)
+            or not isinstance(step, int)
+            or step < 0
+            or not isinstance(digest, str)
+            or not re.fullmatch(r"[0-9a-f]{64}", digest)
+            or (members and step <= members[-1][0])
+        ):
+            raise ValueError(
+                f"{CHAIN} entry {str(entry)[:120]} is not a {{'step', 'manifest_sha256'}} "
+                "of a step after the one before it"
+            )
+        members.append((step, digest))
+    return members
+
+
+def chain_steps(meta: dict[str, Any]) -> list[int]:
+    """The steps a checkpoint's meta builds on (`chain_members`), none when malformed."""
+    try:
+        return [step for step, _ in chain_members(meta)]
+    except ValueError:
+        return []
 
 
 def checkpoint_place(fingerprint: str, step: int) -> dict[str, str]:

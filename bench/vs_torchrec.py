@@ -225,6 +225,8 @@ PREFETCH_BATCHES = 4  # recforge's train.prefetch_batches default; the same for 
 # Values generated per Parquet chunk: bounds the writer's memory at 1,000 columns.
 CHUNK_VALUES = 8_000_000
 ROW_GROUP = 65_536
+# Seeds the rank-to-id permutations of skewed ids (`zipf_tables`), apart from the rows' draws.
+ZIPF_PERMUTATION_SEED = 41
 
 COMM_PRECISIONS = ("fp32", "bf16", "fp16")
 # Bytes of one value of the pooled embeddings and their gradients in TorchRec's all-to-alls:
@@ -286,17 +288,64 @@ def split_rows(total_rows: int, num_features: int) -> list[int]:
     return sizes
 
 
-def write_shard_dir(root: Path, table_sizes: list[int], num_samples: int) -> Path:
+def zipf_tables(
+    table_sizes: list[int], exponent: float
+) -> tuple[dict[int, np.ndarray], list[np.ndarray]]:
+    """What `write_shard_dir` draws skewed ids with: cumulative weights and rank-to-id maps.
+
+    Rank r of a table of n rows has weight (r + 1)^-exponent (a bounded Zipf law over the
+    whole table); each table maps ranks to ids through a permutation of its own, seeded
+    by its index, so that the hot ids lie all over the table (and over the ranks that
+    own its rows) and differ between features.
+
+    Args:
+        table_sizes: Rows of each feature's table.
+        exponent: The Zipf exponent s (> 0).
+
+    Returns:
+        ({n: (n,) float64 cumulative weights ending at exactly 1.0} per distinct table
+        size, shared by the tables of that size; one (n,) permutation per table, int32
+        where the table fits, else int64).
+    """
+    cdfs: dict[int, np.ndarray] = {}
+    for n in sorted(set(table_sizes)):
+        cdf = np.cumsum(np.arange(1, n + 1, dtype=np.float64) ** -exponent)
+        cdfs[n] = cdf / cdf[-1]
+    perms = []
+    for f, n in enumerate(table_sizes):
+        perm = np.random.default_rng([ZIPF_PERMUTATION_SEED, f]).permutation(n)
+        perms.append(perm.astype(np.int32) if n <= np.iinfo(np.int32).max else perm)
+    return cdfs, perms
+
+
+def write_shard_dir(
+    root: Path, table_sizes: list[int], num_samples: int, zipf_exponent: float = 0.0
+) -> Path:
     """A shard directory of `num_samples` rows over `table_sizes`; kept if it already matches.
 
     Writes `NUM_FILES` Parquet files (columns f0.., d0, d1, click) and `dataset.json`
     last, so a directory with a matching `dataset.json` is complete.
+
+    Args:
+        root: The directory (replaced unless its `dataset.json` matches).
+        table_sizes: Rows of each feature's table.
+        num_samples: Rows to write (rounded down to a multiple of `NUM_FILES`).
+        zipf_exponent: 0: ids uniform over each whole table. s > 0: each feature's ids
+            follow a bounded Zipf law of exponent s over its table (`zipf_tables`),
+            drawn by inverse CDF; `dataset.json` records s as "zipf_exponent".
+
+    Raises:
+        ValueError: Fewer than `NUM_FILES` samples, or a negative exponent.
     """
+    if zipf_exponent < 0:
+        raise ValueError(f"zipf_exponent={zipf_exponent}: give 0 (uniform ids) or more")
     dataset_path = root / "dataset.json"
     if dataset_path.is_file():
         dataset = json.loads(dataset_path.read_text())
-        if [f["num_embeddings"] for f in dataset["sparse"]] == table_sizes and (
-            dataset["splits"]["train"]["rows"] == num_samples // NUM_FILES * NUM_FILES
+        if (
+            [f["num_embeddings"] for f in dataset["sparse"]] == table_sizes
+            and dataset["splits"]["train"]["rows"] == num_samples // NUM_FILES * NUM_FILES
+            and dataset.get("zipf_exponent", 0.0) == zipf_exponent
         ):
             return root
     rows = num_samples // NUM_FILES
@@ -315,13 +364,17 @@ def write_shard_dir(root: Path, table_sizes: list[int], num_samples: int) -> Pat
     chunk = max(1024, min(ROW_GROUP, CHUNK_VALUES // num_features))
     # Keeps the label's signal about as strong at 1,000 features as at 8.
     signal_scale = 0.5 / max(1.0, math.sqrt(num_features / 8))
+    zipf = zipf_tables(table_sizes, zipf_exponent) if zipf_exponent > 0 else None
     files = []
     for index in range(NUM_FILES):
         path = f"train-{index:05d}-of-{NUM_FILES:05d}.parquet"
         with pq.ParquetWriter(root / path, schema) as writer:
             for start in range(0, rows, chunk):
                 n = min(chunk, rows - start)
-                ids = rng.integers(0, sizes, size=(n, num_features))  # (n, F)
+                if zipf is None:
+                    ids = rng.integers(0, sizes, size=(n, num_features))  # (n, F)
+                else:
+                    ids = zipf_ids(rng.random((n, num_features)), table_sizes, *zipf)
                 # A learnable signal that needs no table-sized weight vector.
                 logit = -1.0 + signal_scale * np.sin(ids * 0.618 + np.arange(num_features)).sum(1)
                 columns = {f"f{f}": ids[:, f] for f in range(num_features)}
@@ -332,14 +385,31 @@ def write_shard_dir(root: Path, table_sizes: list[int], num_samples: int) -> Pat
                 columns["click"] = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
                 writer.write_table(pa.table(columns, schema=schema), row_group_size=chunk)
         files.append({"path": path, "rows": rows})
-    dataset = {
+    dataset: dict[str, Any] = {
         "label": "click",
         "sparse": [{"name": f"f{f}", "num_embeddings": n} for f, n in enumerate(table_sizes)],
         "dense": [f"d{d}" for d in range(NUM_DENSE)],
         "splits": {"train": {"files": files, "rows": sum(f["rows"] for f in files)}},
     }
+    if zipf_exponent > 0:  # uniform directories keep the dataset.json they always had
+        dataset["zipf_exponent"] = zipf_exponent
     dataset_path.write_text(json.dumps(dataset))
     return root
+
+
+def zipf_ids(
+    uniform: np.ndarray,
+    table_sizes: list[int],
+    cdfs: dict[int, np.ndarray],
+    perms: list[np.ndarray],
+) -> np.ndarray:
+    """(n, F) int64 ids from (n, F) uniform draws in [0, 1), by inverse CDF (`zipf_tables`)."""
+    ids = np.empty(uniform.shape, dtype=np.int64)
+    for f, n in enumerate(table_sizes):
+        # side="right": rank r takes [cdf[r - 1], cdf[r]); u < 1.0 = cdf[-1] keeps r < n.
+        ranks = np.searchsorted(cdfs[n], uniform[:, f], side="right")
+        ids[:, f] = perms[f][np.minimum(ranks, n - 1)]
+    return ids
 
 
 # -- shared helpers --------------------------------------------------------------------

@@ -84,7 +84,14 @@ def check_plain_name(value: str, field: str, use: str) -> str:
 # the keys of outputs written before them stay as they were).
 # `init` names where the weights come from ("champion" is another model every day): the
 # train task keys the resolved parent's version and transform instead (`tasks.incremental`).
-NOT_IN_CACHE_KEY = ("checkpoint_every_s", "threads_per_rank", "init")
+NOT_IN_CACHE_KEY = (
+    "checkpoint_every_s",
+    "checkpoint_max_deltas",
+    "checkpoint_rebase_share",
+    "checkpoint_async",
+    "threads_per_rank",
+    "init",
+)
 
 # How long a node's task run waits for its task worker by default (dispatch 'workers').
 NODE_PICKUP_TIMEOUT_S = 600.0
@@ -215,6 +222,9 @@ _CTR_ONLY_FIELDS = {
     "tasks": "",
     "data_streams": "the sequence models draw every step from one seeded stream; ",
     "prefetch_batches": "",
+    "checkpoint_max_deltas": "the sequence models' resume checkpoints are whole; ",
+    "checkpoint_rebase_share": "the sequence models' resume checkpoints are whole; ",
+    "checkpoint_async": "the sequence models' resume checkpoints are whole; ",
 }
 # Fields only the sequence models read.
 _SEQUENCE_ONLY_FIELDS = {
@@ -354,14 +364,18 @@ class TrainConfig(BaseModel):
         "A resume cannot change it; a warm start converts.",
     )
     comm_precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32",
+        "fp16",
         description="How the sharded embedding rows sent forward and their gradients sent "
         "back travel between ranks (embeddings: sharded, world_size >= 2): bf16 and fp16 "
         "halve those bytes, rounded to nearest; fp16 gradients carry a per-row power-of-"
         "two scale so that small ones survive. Ids always travel as the owner's local row "
         "in the narrowest integer type that holds it. Owners sum and update in fp32, and "
-        "the table keeps train.table_precision. With one rank nothing is sent or rounded. "
-        "train_summary.json's wire_bytes_per_sample counts the bytes by kind.",
+        "the table keeps train.table_precision. With one rank nothing is sent or rounded, "
+        "so at fp16 (the default; bench/comm_precision.py: test AUC within 0.00001 of "
+        "fp32) 1 and 2 ranks train slightly different models, and a resume on another "
+        "world size continues close to, not bitwise on, the uninterrupted run: fp32 "
+        "makes both exact. train_summary.json's wire_bytes_per_sample counts the bytes "
+        "by kind.",
     )
     overlap_exchange: bool = Field(
         True,
@@ -454,6 +468,38 @@ class TrainConfig(BaseModel):
         ge=1,
         description="Valid resume checkpoints kept (older ones are deleted; the best "
         "validation checkpoint is kept besides them).",
+    )
+    checkpoint_max_deltas: int = Field(
+        8,
+        ge=0,
+        description="Sharded embeddings: resume checkpoints are differential. A base "
+        "holds every row of the table; each delta after it only the rows changed since "
+        "the checkpoint before (rows, optimizer state, admission counts, keyed by global "
+        "row), with the dense part, RNG and reader position whole. A base is written "
+        "first and after this many deltas (0: every checkpoint is a base). A resume "
+        "reads the base and its deltas in order, on any world size; retention keeps the "
+        "chains of the checkpoints it keeps.",
+    )
+    checkpoint_async: bool = Field(
+        True,
+        description="Sharded embeddings: write each delta resume checkpoint in the "
+        "background. At the step the ranks save the dense part and copy the changed "
+        "rows, RNG states and reader position, then train on while a thread writes them; "
+        "rank 0's commits (manifest last) once every rank's files are on disk, so a crash "
+        "mid-write leaves the previous checkpoint the newest. At most one is in flight: "
+        "one due while the last is writing waits for it (train_summary.json's "
+        "resume_checkpoints counts those). Bases, the checkpoint SIGTERM saves, and runs "
+        "whose nodes share no disk write in the foreground.",
+    )
+    checkpoint_rebase_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Sharded embeddings: write a base instead of the next delta once "
+        "the chain's deltas would hold more rows than this share of the table's (so a "
+        "resume never reads much more than two bases' bytes). Where an interval touches "
+        "much of the table (small tables, uniform ids) most checkpoints are then bases: "
+        "a shorter checkpoint_every_s makes smaller deltas.",
     )
     eval_every_epochs: float = Field(
         0.0,
@@ -648,7 +694,17 @@ class TrainConfig(BaseModel):
                 "sharded; a dense table trains at train.precision: remove it or set "
                 "embeddings: sharded"
             )
-        if self.comm_precision != "fp32" and self.embeddings == "dense":
+        chain_fields = ("checkpoint_max_deltas", "checkpoint_rebase_share", "checkpoint_async")
+        defaults = TrainConfig.model_fields
+        changed = [f for f in chain_fields if getattr(self, f) != defaults[f].default]
+        if changed and self.embeddings == "dense":
+            raise ValueError(
+                f"train.{changed[0]} applies to embeddings: sharded (a dense table's resume "
+                "checkpoints are DeepSpeed's, whole): remove it or set embeddings: sharded"
+            )
+        # Any value but the default is refused with a dense table, as for another family.
+        comm_default = TrainConfig.model_fields["comm_precision"].default
+        if self.comm_precision != comm_default and self.embeddings == "dense":
             raise ValueError(
                 f"train.comm_precision={self.comm_precision} applies to embeddings: "
                 "sharded (the rows and gradients the ranks exchange); a dense table's "
@@ -769,10 +825,12 @@ class TrainConfig(BaseModel):
 
     def fingerprinted(self) -> dict:
         """What the train stage's cache key covers: every field but `WHERE_FIELDS` and
-        `checkpoint_every_s`.
+        `NOT_IN_CACHE_KEY` (checkpoint_every_s, the checkpoint chain's fields,
+        threads_per_rank, init).
 
-        checkpoint_every_s says when a run saves, not what it trains, and keeping it out
-        leaves the keys of outputs written before the field existed as they were.
+        checkpoint_every_s and the chain's fields say when and how a run saves, not what
+        it trains, and keeping them out leaves the keys of outputs written before the
+        fields existed as they were.
         (checkpoint_every has always been in the key; taking it out would change them.)
         """
         return self.model_dump(exclude={*WHERE_FIELDS, *NOT_IN_CACHE_KEY})

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from artifacts.checkpoints import CheckpointStore
+from artifacts.gc import collect_garbage
 from artifacts.store import CHAOS_PUBLISH_FAULT, ArtifactStore
 from data_prep.synthetic import generate_logs
 from flows.config import load_config
@@ -20,7 +22,14 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
 # Long enough that the ranks a SIGKILLed run orphans cannot finish the whole run before
 # the next attempt reaps them (each later attempt needs steps left to be preempted in).
-RESUMABLE = ["train.max_steps=600", "train.checkpoint_every=10", "train.log_every=10"]
+# Differential checkpoints however many of tiny's few hundred rows a delta holds (by
+# default a delta of more than half the table's rows is written as a base instead).
+RESUMABLE = [
+    "train.max_steps=600",
+    "train.checkpoint_every=10",
+    "train.log_every=10",
+    "train.checkpoint_rebase_share=1.0",
+]
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -96,6 +105,15 @@ def test_killing_the_flow_during_shard_and_train_then_rerunning_gives_the_same_m
         assert victim.poll() is None and time.monotonic() < deadline, "no checkpoint"
         time.sleep(0.2)
     periodic = max(committed_steps(root))
+    # gc with no age limit while the run writes its chain of differential checkpoints:
+    # the run's live lease keeps them, and the newest stays a whole resume point.
+    during = collect_garbage(str(root), keep_runs=0, older_than_s=0)
+    assert not [item for item in during.freed if item.category == "checkpoints"]
+    assert during.kept["checkpoints a live lease keeps"] == 1
+    checkpoints = CheckpointStore(next(root.glob("checkpoints/train/*/step-*")).parent)
+    newest = checkpoints.latest_valid(strict=True)
+    assert newest is not None and newest.step >= periodic
+    assert newest.chain, "the periodic checkpoint should be a delta on the resumed base"
     victim.send_signal(signal.SIGTERM)
     victim.communicate(timeout=120)
     assert victim.returncode != 0

@@ -127,8 +127,8 @@ def test_config_module_imports_without_torch() -> None:
             ["train.table_precision=bf16", "embeddings: sharded"],
         ),
         (
-            {"comm_precision": "fp16", "embeddings": "dense"},
-            ["train.comm_precision=fp16", "embeddings: sharded"],
+            {"comm_precision": "bf16", "embeddings": "dense"},
+            ["train.comm_precision=bf16", "embeddings: sharded"],
         ),
     ],
 )

@@ -77,6 +77,8 @@ import torch.distributed as dist
 from training.ctr.kernels import rounding_kernel, subtract_rows
 
 CommPrecision = Literal["fp32", "bf16", "fp16"]
+# A differential checkpoint's tensor of the global rows it holds (`take_delta`).
+DELTA_ROWS = "global_rows"
 # The rows and row gradients on the wire, by train.comm_precision.
 COMM_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -540,6 +542,63 @@ def reshard_state(
     return result
 
 
+def apply_delta(
+    state: dict[str, torch.Tensor],
+    delta: dict[str, torch.Tensor],
+    num_rows: int,
+    rank: int,
+    world_size: int,
+    where: str,
+) -> None:
+    """Write a differential checkpoint's rows (`ShardedEmbedding.take_delta`, of any
+    world size) into one rank's shard state, in place.
+
+    Args:
+        state: The rank's `state_dict()`-shaped tensors (a base, deltas applied so far).
+        delta: One old rank's delta: global rows and their per-row tensors, "steps".
+        num_rows: N, rows of the fused table.
+        rank: This rank.
+        world_size: This run's world size W (global row g is local row g // W of rank
+            g % W).
+        where: The file the delta came from, for the error message.
+
+    Raises:
+        ValueError: The delta's tensors are not this table's (other names, shapes or
+            dtypes, or rows outside it).
+    """
+    rows = delta.get(DELTA_ROWS)
+    names = set(state) | {DELTA_ROWS}
+    if rows is None or set(delta) != names or rows.dim() != 1 or rows.dtype != torch.int64:
+        raise ValueError(
+            f"{where} is not a delta of this table's shard (tensors {sorted(delta)[:8]}, "
+            f"expected {sorted(names)}): it was written with another sparse optimizer or "
+            "admission setting; resume with the config that wrote the chain"
+        )
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
+        raise ValueError(
+            f"{where} names rows outside the table's [0, {num_rows}): it is not this "
+            "table's delta; resume with the config that wrote the chain"
+        )
+    mine = rows % world_size == rank
+    local = rows[mine] // world_size
+    for name, tensor in state.items():
+        if name == "steps":
+            tensor.copy_(delta[name])
+            continue
+        values = delta[name]
+        if values.shape[1:] != tensor.shape[1:] or values.dtype != tensor.dtype:
+            raise ValueError(
+                f"{where}: {name} is {values.dtype} {tuple(values.shape[1:])} per row, this "
+                f"shard's is {tensor.dtype} {tuple(tensor.shape[1:])}: resume with the "
+                "table precision and embedding_dim that wrote the chain"
+            )
+        if values.shape[0] != rows.numel():
+            raise ValueError(
+                f"{where}: {name} has {values.shape[0]} rows and {DELTA_ROWS} {rows.numel()}"
+            )
+        tensor[local] = values[mine]
+
+
 def warm_start_state(
     shards: list[dict[str, torch.Tensor]],
     old_sizes: list[int],
@@ -810,6 +869,9 @@ class ShardedEmbedding:
             self.state["exp_avg_sq"] = torch.zeros(self.weight.shape)
         self.steps = 0  # optimizer steps taken (lazy Adam's bias correction)
         self.counts = torch.zeros(local, dtype=torch.int64) if self._admission else None
+        # Local rows whose row, optimizer state or admission count changed since the
+        # last `take_delta` (a differential checkpoint writes only those).
+        self.dirty = torch.zeros(local, dtype=torch.bool)
         # Ids travel as their owner's local row; with admission the batch's counts of
         # them (at most every id a rank looks up at once, < 2^31) travel alongside.
         largest_local = -(-self.num_rows // world_size) - 1
@@ -863,8 +925,35 @@ class ShardedEmbedding:
             if self.counts is not None:
                 self.counts.copy_(state["counts"])
         self.steps = int(state["steps"])
+        self.dirty.zero_()  # what was loaded is the checkpoint's: nothing changed since
         self._pending_rows.clear()
         self._pending_grads.clear()
+
+    def dirty_rows(self) -> int:
+        """How many of this shard's rows changed since the last `take_delta`."""
+        return int(self.dirty.sum())
+
+    def mark_clean(self) -> None:
+        """Forget which rows changed (a whole checkpoint of them was just taken)."""
+        self.dirty.zero_()
+
+    def take_delta(self, whole: bool = False) -> dict[str, torch.Tensor]:
+        """What a checkpoint writes of this shard, copied, and the dirty marks cleared.
+
+        Args:
+            whole: All rows (a base checkpoint) instead of the dirty ones.
+
+        Returns:
+            `DELTA_ROWS`: (n,) int64 global rows, ascending; each per-row tensor of
+            `state_dict()` at those rows (rows, optimizer state, admission counts); and
+            "steps". `apply_delta` puts it back on any world size.
+        """
+        local = torch.arange(self.weight.shape[0]) if whole else self.dirty.nonzero().squeeze(1)
+        delta = {DELTA_ROWS: local * self.world_size + self.rank}
+        for name, tensor in self.state_dict().items():
+            delta[name] = tensor.clone() if name == "steps" else tensor.index_select(0, local)
+        self.dirty.zero_()
+        return delta
 
     def admitted_rows(self) -> torch.Tensor:
         """(local rows,) bool: which of this shard's rows are admitted."""
@@ -954,6 +1043,7 @@ class ShardedEmbedding:
         if self.counts is not None:
             if recv_counts is not None:
                 self.counts.index_add_(0, recv_local, recv_counts)
+                self.dirty.index_fill_(0, recv_local, True)
             admitted_local = self.counts.index_select(0, recv_local) >= self.admission_min_count
             reply = torch.cat([reply, admitted_local[:, None].float()], dim=1)
         if send_order is None:
@@ -1053,6 +1143,7 @@ class ShardedEmbedding:
             self._rowwise_adagrad(rows, summed)
         else:
             self._lazy_adam(rows, summed)
+        self.dirty.index_fill_(0, rows, True)
         return int(rows.numel())
 
     def _rowwise_adagrad(self, rows: torch.Tensor, grad: torch.Tensor) -> None:

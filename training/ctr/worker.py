@@ -78,6 +78,7 @@ from training.ctr.embedding import (
     InputDist,
     LookupContext,
     ShardedEmbedding,
+    apply_delta,
     init_rows,
     reshard_state,
     table_offsets,
@@ -109,6 +110,8 @@ from training.runtime.launcher import RESUME_PREFIX
 from training.runtime.memory import FP32_BYTES
 from training.runtime.rank import (
     DENSE_TAG,
+    CheckpointChain,
+    CheckpointWriter,
     Preemption,
     ResumePoint,
     convert_to_universal,
@@ -121,6 +124,7 @@ from training.runtime.rank import (
     save_resume_checkpoint,
     seed_everything,
     set_rng_state,
+    sparse_delta_file,
     sparse_file,
     write_progress,
     write_scalars,
@@ -161,6 +165,30 @@ def load_rank_state(path: Path) -> dict[str, Any]:
     return state
 
 
+def load_sparse_chain(
+    point: ResumePoint, num_rows: int, rank: int, world_size: int
+) -> dict[str, torch.Tensor]:
+    """One rank's embedding shard state at a resume point: its base's shards (re-sharded
+    when another world size wrote them), then each delta of its chain in order, keyed by
+    global row (so the members may come from different world sizes).
+
+    Raises:
+        ValueError: A delta does not fit the base (`apply_delta`).
+    """
+    parts = point.sparse_parts()
+    base, base_world, _ = parts[0]
+    if base_world == world_size:
+        state = load_file(str(base / sparse_file(rank, world_size)))
+    else:  # every old shard holds some of this rank's rows
+        shards = [load_file(str(base / sparse_file(r, base_world))) for r in range(base_world)]
+        state = reshard_state(shards, num_rows, rank, world_size)
+    for path, member_world, _ in parts[1:]:
+        for r in range(member_world):
+            file = path / sparse_delta_file(r, member_world)
+            apply_delta(state, load_file(str(file)), num_rows, rank, world_size, str(file))
+    return state
+
+
 def load_resume_point(
     point: ResumePoint,
     engine: deepspeed.DeepSpeedEngine,
@@ -190,14 +218,7 @@ def load_resume_point(
         load_lr_scheduler_states=True,
     )
     if sparse is not None:
-        if old_world == world_size:
-            state = load_file(str(point.path / sparse_file(rank, world_size)))
-        else:  # every old shard holds some of this rank's rows
-            shards = [
-                load_file(str(point.path / sparse_file(r, old_world))) for r in range(old_world)
-            ]
-            state = reshard_state(shards, num_rows, rank, world_size)
-        sparse.load_state_dict(state)
+        sparse.load_state_dict(load_sparse_chain(point, num_rows, rank, world_size))
     # The reader position is global (every rank takes the same steps), so rank 0's serves
     # any new rank; a new rank without a file of its own takes rank 0's RNG states.
     own = point.path / rank_state_file(rank)
@@ -361,7 +382,14 @@ class _Rank:
         resume_store: The resume checkpoints (train.checkpoint_every or
             checkpoint_every_s), else None.
         preemption: SIGTERM and timer agreement (with resume checkpoints), else None.
+        chain: Where the differential resume checkpoints stand (sharded embeddings
+            with resume checkpoints), else None.
+        saver: The background writer of asynchronous deltas (train.checkpoint_async),
+            else None.
         counters: Where the run stands.
+        checkpoints: This attempt's resume checkpoints by kind ("base", "delta",
+            "whole"): how many, and the longest and total seconds the rank paused for
+            them.
     """
 
     spec: dict[str, Any]
@@ -371,7 +399,22 @@ class _Rank:
     reader: ShardReader
     resume_store: CheckpointStore | None
     preemption: Preemption | None
+    chain: CheckpointChain | None = None
+    saver: CheckpointWriter | None = None
     counters: _Counters = field(default_factory=_Counters)
+    checkpoints: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def checkpoint_summary(self) -> dict[str, Any]:
+        """What `train_summary.json` says of this attempt's resume checkpoints."""
+        summary: dict[str, Any] = {
+            kind: {**figures, "stall_s_max": round(figures["stall_s_max"], 4)}
+            for kind, figures in self.checkpoints.items()
+        }
+        if self.saver is not None:
+            summary["waited_for_previous"] = self.saver.waits
+            summary["wait_s"] = round(self.saver.wait_s, 4)
+            summary["background_write_s_max"] = round(self.saver.write_s_max, 4)
+        return summary
 
 
 class _StartupClock:
@@ -437,7 +480,11 @@ def run(spec: dict[str, Any]) -> None:
         out_dir / TENSORBOARD_DIR if config.tensorboard and on_rank0 else None
     )
     log_file = (out_dir / TRAIN_LOG_FILE).open("a") if on_rank0 else None
-    state = _Rank(spec, config, engine, store, reader, resume_store, preemption)
+    chain, saver = None, None
+    if resume_store is not None and store is not None:
+        chain = CheckpointChain(config.checkpoint_max_deltas, config.checkpoint_rebase_share, [])
+        saver = CheckpointWriter(log=print) if config.checkpoint_async else None
+    state = _Rank(spec, config, engine, store, reader, resume_store, preemption, chain, saver)
     counters = state.counters
     if resume_point is not None:
         skip = frozenset(spec.get("chaos", {}).get("skip_restore", []))
@@ -448,12 +495,16 @@ def run(spec: dict[str, Any]) -> None:
         counters.step, counters.micro_done = resumed["step"], resumed["micro_done"]
         counters.resumed_from_step = resumed["step"]
         counters.resumed_from_world_size = int(resume_point.meta["world_size"])
+        if chain is not None:
+            chain.resumed(resume_point)
     startup.lap("resume")
     resumed_micro = counters.micro_done  # what this attempt's wire bytes are per
     engine.train()
     started = time.monotonic()
     try:
         _train_steps(state, log_file, writer)
+        if saver is not None:
+            saver.wait()  # the last asynchronous checkpoint is committed
     finally:
         reader.close()
     seconds = time.monotonic() - started
@@ -477,6 +528,7 @@ def run(spec: dict[str, Any]) -> None:
         warm = spec.get("warm_start")
         _write_summary(
             out_dir, config, counters, reader, seconds, world_size, startup.laps, wire,
+            state.checkpoint_summary() if resume_store is not None else None,
             None if warm is None else {
                 "parent_world_size": warm["world_size"],
                 "reset_rows": sum(len(rows) for rows in warm["reset_rows"]),
@@ -855,7 +907,10 @@ def _checkpoint_step(state: _Rank, held: int = 0) -> None:
         return
     if step >= int(spec["total_steps"]):
         return  # the final state is saved anyway
-    save_resume_checkpoint(
+    started = time.perf_counter()
+    if stop and state.saver is not None:
+        state.saver.wait()  # this save is written in the foreground, after that one
+    kind = save_resume_checkpoint(
         resume_store,
         state.engine,
         state.store,
@@ -866,7 +921,17 @@ def _checkpoint_step(state: _Rank, held: int = 0) -> None:
         NodeExchange.from_spec(spec.get("node_exchange")),
         # What a resume on another world size fits its batch to (`resume_layout`).
         extra_meta=state.config.checkpoint_layout(),
+        chain=state.chain,
+        # A save that stops the run is committed before it exits.
+        writer=None if stop else state.saver,
     )
+    stall = time.perf_counter() - started
+    figures = state.checkpoints.setdefault(
+        kind, {"count": 0, "stall_s_max": 0.0, "stall_s_total": 0.0}
+    )
+    figures["count"] += 1
+    figures["stall_s_max"] = max(figures["stall_s_max"], stall)
+    figures["stall_s_total"] += stall
     state.preemption.saved()
     if stop:
         raise Preempted(
@@ -993,9 +1058,11 @@ def _write_summary(
     world_size: int,
     startup_s: dict[str, float],
     wire_bytes_per_sample: dict[str, float],
+    checkpoints: dict[str, Any] | None,
     warm_start: dict[str, Any] | None = None,
 ) -> None:
-    """Rank 0: `train_summary.json` (`warm_start`: what a train.init run started from)."""
+    """Rank 0: `train_summary.json` (`checkpoints`: this attempt's resume checkpoints,
+    `_Rank.checkpoint_summary`; `warm_start`: what a train.init run started from)."""
     samples = counters.micro_done * config.batch_size * world_size
     summary = {
         "final_loss": counters.final_loss,
@@ -1015,6 +1082,7 @@ def _write_summary(
         "reader_position": reader.position(),
         "resumed_from_step": counters.resumed_from_step,
         "resumed_from_world_size": counters.resumed_from_world_size,
+        **({"resume_checkpoints": checkpoints} if checkpoints is not None else {}),
         # Rank 0's seconds from its process start to the first step, by phase.
         "startup_s": startup_s,
         **({"warm_start": warm_start} if warm_start is not None else {}),

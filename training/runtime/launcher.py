@@ -92,7 +92,8 @@ SHM_DIR = Path("/dev/shm")
 # Fault injection for the chaos tests, read from the `env` a caller passes (never from
 # this process's environment) into the launch spec's "chaos"; unset in real runs.
 # "POINT@STEP": rank 0 SIGKILLs its launch while saving the checkpoint of step STEP, at
-# POINT: "mid-file" (DeepSpeed's files written, the ranks' own not yet) or one of
+# POINT: "mid-file" (DeepSpeed's files and rank 0's embedding shard written, its
+# rank-RRRRR.pt not yet; for an asynchronous delta, inside the background writer) or one of
 # `artifacts.checkpoints.FAULT_POINTS`.
 CHAOS_CHECKPOINT_FAULT = "RECFORGE_CHAOS_CHECKPOINT_FAULT"
 

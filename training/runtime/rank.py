@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -28,8 +29,14 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from artifacts.checkpoints import FAULT_POINTS, CheckpointCorrupt, CheckpointStore
-from artifacts.durable import fsync_tree
+from artifacts.checkpoints import (
+    CHAIN,
+    FAULT_POINTS,
+    MANIFEST,
+    CheckpointCorrupt,
+    CheckpointStore,
+)
+from artifacts.durable import file_sha256, fsync_tree
 from artifacts.errors import ConfigError
 from artifacts.locations import is_remote
 from artifacts.signing import require_key
@@ -44,7 +51,70 @@ from training.runtime.launcher import (
 class RankShard(Protocol):
     """A rank's own part of a sharded parameter (the CTR embedding rows and their state)."""
 
+    num_rows: int
+
     def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def dirty_rows(self) -> int: ...
+
+    def take_delta(self, whole: bool = False) -> dict[str, torch.Tensor]: ...
+
+    def mark_clean(self) -> None: ...
+
+
+@dataclass
+class CheckpointChain:
+    """Where a run's differential resume checkpoints stand; the same on every rank.
+
+    A checkpoint is a base (every row of the sharded table) or a delta (the rows that
+    changed since the checkpoint before it, keyed by global row, so a chain resumes on
+    any world size). The dense part, RNG states and reader position are whole in both.
+    A base is written first, after `max_deltas` deltas, and when the chain's deltas
+    would hold more rows than `rebase_share` of the table.
+
+    Attributes:
+        max_deltas: train.checkpoint_max_deltas (0: every checkpoint is a base).
+        rebase_share: train.checkpoint_rebase_share.
+        members: The chain so far, base first: {"step", "manifest_sha256", "rows" (a
+            delta's rows, 0 for the base), "world_size"}; empty before the first base.
+    """
+
+    max_deltas: int
+    rebase_share: float
+    members: list[dict[str, Any]]
+
+    def next_is_delta(self, dirty_rows: int, num_rows: int) -> bool:
+        """Whether the next checkpoint, with `dirty_rows` changed rows in all, is a delta."""
+        if not self.members or len(self.members) > self.max_deltas:
+            return False
+        chain_rows = sum(int(m["rows"]) for m in self.members) + dirty_rows
+        return chain_rows <= self.rebase_share * num_rows
+
+    def committed(self, step: int, path: Path, delta_rows: int | None, world_size: int) -> None:
+        """Record the checkpoint committed at `path` (`delta_rows` None: a base).
+
+        Only rank 0's record decides (`save_resume_checkpoint`), and only it writes the
+        chain into a manifest; on a rank that cannot see `path` the manifest's sha256 is
+        left empty.
+        """
+        entry = {
+            "step": step,
+            "manifest_sha256": file_sha256(path / MANIFEST) if (path / MANIFEST).is_file() else "",
+            "rows": delta_rows or 0,
+            "world_size": world_size,
+        }
+        self.members = [entry] if delta_rows is None else [*self.members, entry]
+
+    def resumed(self, point: ResumePoint) -> None:
+        """Continue the chain of the checkpoint a run resumed from (a base or a delta)."""
+        meta = point.meta
+        self.members = [*meta.get(CHAIN, [])]
+        self.committed(
+            int(meta["step"]),
+            point.path,
+            int(meta["delta_rows"]) if self.members else None,
+            int(meta["world_size"]),
+        )
 
 
 class ResumableReader(Protocol):
@@ -218,7 +288,9 @@ def save_resume_checkpoint(
     fault_setting: str = "",
     exchange: NodeExchange | None = None,
     extra_meta: dict[str, Any] | None = None,
-) -> None:
+    chain: CheckpointChain | None = None,
+    writer: CheckpointWriter | None = None,
+) -> str:
     """Every rank: write its part of a crash-safe checkpoint; rank 0 commits it.
 
     Layout: DeepSpeed's checkpoint under tag `dense` (a pipeline engine's: its layer
@@ -227,10 +299,36 @@ def save_resume_checkpoint(
     (sha256 of every file) whose meta holds the step counters, the config fingerprint
     and `extra_meta` (e.g. the valid curve so far, and the steps a mirror must keep:
     "pinned"). Nothing is visible to a resume until rank 0's commit renames it.
+
+    With `chain` (and `sparse`) the embedding shard may be a delta instead
+    (`sparse_delta_file`: the rows changed since the previous checkpoint), when
+    `CheckpointChain.next_is_delta` says so on rank 0; its meta then names the chain it
+    builds on (`CHAIN`) and holds "delta_rows", the changed rows of all ranks.
+
+    With `writer` too, a delta is saved asynchronously: the ranks write the dense part
+    and copy the changed rows, RNG states and reader position at the step, then go on
+    training while `writer`'s thread writes the files; rank 0's thread commits once every
+    rank's are on disk (`done_marker`), the manifest last. A base, a run whose nodes
+    share no disk, and a save without `chain` are written before this returns. At most
+    one save is in flight: the next waits for it (`CheckpointWriter.wait`).
+
+    Returns:
+        "delta" or "base" (the kind of the embedding shard written), or "whole" (no
+        `chain`).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     step = counters["step"]
     exchange = exchange or NodeExchange.from_spec(None)
+    if writer is not None:
+        writer.wait(due_at=step)  # before prepare clears what the last save staged
+    delta_rows: int | None = None  # None: the shard is written whole
+    if chain is not None and sparse is not None:
+        # Rank 0 decides (its chain is the one its commits recorded); the others follow.
+        dirty = torch.tensor([sparse.dirty_rows()], dtype=torch.int64)
+        dist.all_reduce(dirty)
+        decision = torch.tensor([int(chain.next_is_delta(int(dirty[0]), sparse.num_rows))])
+        dist.broadcast(decision, src=0)
+        delta_rows = int(dirty[0]) if int(decision[0]) else None
     if exchange.leads(rank):
         store.prepare(step)
     dist.barrier()  # the staging directory exists (and stale files are gone)
@@ -238,23 +336,156 @@ def save_resume_checkpoint(
     engine.save_checkpoint(str(staging), tag=DENSE_TAG)
     fault = chaos_fault(step, fault_setting)
     if fault is not None:
-        fault(MID_FILE)
         store = store.with_fault(fault)
-    written = [staging / rank_state_file(rank)]
     rank_state = {"rng": rng_state()}
     if reader is not None:
         rank_state["reader"] = reader.position()
-    torch.save(rank_state, written[0])
-    if sparse is not None:
-        written.append(staging / sparse_file(rank, world_size))
-        save_file({n: t.contiguous() for n, t in sparse.state_dict().items()}, str(written[-1]))
-    fsync_tree(written)  # rank 0's commit fsyncs the rest; this rank's files may be elsewhere
+    meta = {**(extra_meta or {}), **counters, "world_size": world_size}
+    if delta_rows is not None and chain is not None:
+        meta = {**meta, CHAIN: chain.members, "delta_rows": delta_rows}
+    meta["fingerprint"] = fingerprint
+    kind = "whole" if chain is None or sparse is None else "base"
+    if sparse is not None and delta_rows is not None:
+        kind = "delta"
+        shard = (sparse_delta_file(rank, world_size), sparse.take_delta())  # copies
+    elif sparse is not None:
+        shard = (sparse_file(rank, world_size), sparse.state_dict())
+    else:
+        shard = None
+
+    def write() -> None:
+        written = [staging / rank_state_file(rank)]
+        if shard is not None:
+            written.append(staging / shard[0])
+            save_file({n: t.contiguous() for n, t in shard[1].items()}, str(written[-1]))
+        if fault is not None:
+            fault(MID_FILE)
+        torch.save(rank_state, written[0])
+        fsync_tree(written)  # rank 0's commit fsyncs the rest; this rank's may be elsewhere
+
+    def commit() -> None:
+        target = store.commit(step, meta)
+        if chain is not None and sparse is not None:
+            chain.committed(step, target, delta_rows, world_size)
+
+    if kind == "delta" and writer is not None and not exchange.active:
+
+        def write_and_commit() -> None:
+            try:
+                write()
+            except BaseException:
+                done_marker(staging, rank, failed=True).touch()  # rank 0 stops waiting
+                raise
+            done_marker(staging, rank).touch()
+            if rank == 0:
+                markers = [done_marker(staging, r) for r in range(world_size)]
+                failed = [done_marker(staging, r, failed=True) for r in range(world_size)]
+                writer.await_files(markers, failed)
+                for marker in markers:
+                    marker.unlink()
+                commit()
+
+        writer.start(step, write_and_commit)
+        return kind
+    write()
+    if sparse is not None and chain is not None and kind == "base":
+        sparse.mark_clean()  # this base holds every row
     # Every rank's part is on disk (and, on nodes that share no disk, on every node).
     exchange.share(staging, staging.name)
     if exchange.leads(rank):
-        meta = {**(extra_meta or {}), **counters, "world_size": world_size}
-        store.commit(step, {**meta, "fingerprint": fingerprint})
+        if rank == 0:
+            commit()
+        else:  # another node's copy: committed there for its own resume
+            store.commit(step, meta)
     dist.barrier()  # committed before anyone goes on (or dies)
+    return kind
+
+
+def done_marker(staging: Path, rank: int, failed: bool = False) -> Path:
+    """The file a rank's asynchronous writer creates once its part of a save is on disk
+    (rank 0's removes them all before it commits), or, `failed`, when writing it failed."""
+    return staging / f".{'failed' if failed else 'done'}-rank-{rank:05d}"
+
+
+class CheckpointWriter:
+    """A rank's background thread for asynchronous resume checkpoints, one at a time.
+
+    Args:
+        log: Receives a line when a save is due while the last one is still writing.
+        poll_s: How often rank 0's thread looks for the other ranks' `done_marker`s.
+
+    Attributes:
+        waits: Saves that were due while the previous one was still being written.
+        wait_s: Seconds the training thread spent waiting for them.
+        write_s_max: The longest a background save took, from its start to its end
+            (rank 0's: to its commit).
+    """
+
+    def __init__(self, log: Callable[[str], None], poll_s: float = 0.005) -> None:
+        self._log = log
+        self._poll_s = poll_s
+        self._thread: threading.Thread | None = None
+        self._step = -1
+        self._error: BaseException | None = None
+        self.waits = 0
+        self.wait_s = 0.0
+        self.write_s_max = 0.0
+
+    def start(self, step: int, work: Callable[[], None]) -> None:
+        """Run `work` (the save of `step`) in the background."""
+
+        def run() -> None:
+            started = time.monotonic()
+            try:
+                work()
+            except BaseException as error:  # re-raised on the training thread
+                self._error = error
+            self.write_s_max = max(self.write_s_max, time.monotonic() - started)
+
+        self._step = step
+        self._thread = threading.Thread(target=run, name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self, due_at: int | None = None) -> None:
+        """Wait for the save in flight, if any; re-raise what it failed with.
+
+        Args:
+            due_at: The step of a save that is due now (logged and counted when it has
+                to wait); None when the run is stopping or ending.
+
+        Raises:
+            RuntimeError: The background save failed (its error chained).
+        """
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            if due_at is not None and thread.is_alive():
+                started = time.monotonic()
+                self._log(
+                    f"checkpoint of step {due_at} is due while step {self._step}'s is still "
+                    "being written; waiting for it (at most one save is in flight)"
+                )
+                thread.join()
+                self.waits += 1
+                self.wait_s += time.monotonic() - started
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(
+                f"the asynchronous resume checkpoint of step {self._step} failed: {error}"
+            ) from error
+
+    def await_files(self, paths: list[Path], failures: list[Path]) -> None:
+        """Block (in the writer thread) until every path exists.
+
+        Raises:
+            RuntimeError: One of `failures` appeared first (a rank's write failed; the
+                save is not committed, and that rank re-raises its own error).
+        """
+        while not all(path.exists() for path in paths):
+            failed = [path.name for path in failures if path.exists()]
+            if failed:
+                raise RuntimeError(f"another rank's write failed ({', '.join(failed)})")
+            time.sleep(self._poll_s)
 
 
 @dataclass(frozen=True)
@@ -267,12 +498,21 @@ class ResumePoint:
         dense_dir: Where DeepSpeed loads the dense part from (`path`, or the universal
             conversion when the world size changed under ZeRO 1-3), under tag `dense`.
         universal: Whether `dense_dir` is a universal checkpoint.
+        chain: A differential checkpoint's chain (its meta's `CHAIN`), base first:
+            (directory, world size that wrote it); empty for a whole checkpoint.
     """
 
     path: Path
     meta: dict[str, Any]
     dense_dir: Path
     universal: bool
+    chain: tuple[tuple[Path, int], ...] = ()
+
+    def sparse_parts(self) -> list[tuple[Path, int, bool]]:
+        """(directory, world size, is a delta) of every checkpoint whose embedding
+        shards make up this one's rows: the base, then each delta in order."""
+        parts = [(path, world, i > 0) for i, (path, world) in enumerate(self.chain)]
+        return [*parts, (self.path, int(self.meta["world_size"]), bool(self.chain))]
 
 
 def find_resume_point(
@@ -325,11 +565,17 @@ def find_resume_point(
     if int(chosen[0]) < 0:
         return None
     path = store.checkpoint_dir(int(chosen[0]))
-    if exchange.active:
-        _check_every_node_has(store, path, exchange.leads(rank))
     # Rank 0 verified every file; each rank reads the meta through the signed, bound
     # manifest, never a file another writer may have swapped since.
     meta = store.manifest(path)["meta"]
+    # A delta's chain: rank 0 verified each member and that its manifest is the one the
+    # chain recorded (`CheckpointStore.latest_valid`).
+    chain = tuple(
+        (store.checkpoint_dir(int(m["step"])), int(m["world_size"])) for m in meta.get(CHAIN, [])
+    )
+    if exchange.active:
+        for member in (*(p for p, _ in chain), path):
+            _check_every_node_has(store, member, exchange.leads(rank))
     if meta.get("fingerprint") != fingerprint:
         raise ConfigError(
             f"{path} was written by another train config (or data); resuming it would mix "
@@ -341,12 +587,12 @@ def find_resume_point(
         return ResumePoint(path, meta, path, universal=False)
     if meta["world_size"] == world_size or zero_stage == 0:
         # ZeRO-0 keeps the whole optimizer state in one file: any world size loads it.
-        return ResumePoint(path, meta, path, universal=False)
+        return ResumePoint(path, meta, path, universal=False, chain=chain)
     universal = store.root / "universal" / path.name
     if exchange.leads(rank) and not universal.is_dir():
         convert_to_universal(path / DENSE_TAG, universal)
     dist.barrier()  # the conversion is published
-    return ResumePoint(path, meta, universal, universal=True)
+    return ResumePoint(path, meta, universal, universal=True, chain=chain)
 
 
 def _check_pipeline_layout(
@@ -450,6 +696,11 @@ def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
 def sparse_file(rank: int, world_size: int) -> str:
     """File name of one rank's embedding shard in a checkpoint."""
     return f"sparse-rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def sparse_delta_file(rank: int, world_size: int) -> str:
+    """File name of one rank's changed embedding rows in a differential checkpoint."""
+    return f"sparse-delta-rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
 def rss_bytes() -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from artifacts.checkpoints import MANIFEST, CheckpointStore
+from artifacts.checkpoints import CHAIN, MANIFEST, CheckpointStore
 from artifacts.errors import ConfigError
 from training.config import TrainConfig, resume_layout
 from training.ctr.train import train_model
@@ -245,7 +245,10 @@ def test_timed_checkpoints_alone_save_mid_run_and_a_default_run_resumes_from_one
     # Neither trigger is part of the fingerprint: both runs resume what the other wrote.
     # 0.1 ms: due at every step, however fast (fp16 steps with the compiled row update
     # can take under 10 ms here, and 0.01 s then skipped step 6 in one run).
-    timed = TrainConfig(**{**LONG, "checkpoint_every": 0, "checkpoint_every_s": 0.0001})
+    # Whole checkpoints (no deltas), so that retention keeps two and no chain.
+    timed = TrainConfig(
+        **{**LONG, "checkpoint_every": 0, "checkpoint_every_s": 0.0001, "checkpoint_max_deltas": 0}
+    )
     with pytest.raises(TrainingCrashed, match="exited with code"):
         train_model(
             timed, shards_dir, tmp_path / "killed", "cpu", free_port(), env(),
@@ -346,6 +349,8 @@ def test_a_checkpoint_resumes_on_another_world_size(
         "max_steps": 28,
         "checkpoint_every": 8,
         "keep_checkpoints": 3,
+        # Step 8's checkpoint is a base, 16's and 24's deltas on it, whatever they hold.
+        "checkpoint_rebase_share": 1.0,
         "log_every": 1,
         "data_streams": 2,
         "zero_stage": zero_stage,
@@ -361,22 +366,24 @@ def test_a_checkpoint_resumes_on_another_world_size(
         config(before), shards_dir, tmp_path / "ref", "cpu", free_port(), env(),
         on_progress=reference.append, checkpoint_root=root,
     )  # fmt: skip
-    # As if the run had died after committing step 8 (the checkpoints of steps 16 and 24
-    # did not happen), which the uninterrupted run's losses go on from.
-    for later in ("step-00000016", "step-00000024"):
-        shutil.rmtree(root / later)
-    meta = json.loads((root / "step-00000008" / MANIFEST).read_text())["meta"]
+    # As if the run had died after committing step 16 (the checkpoint of step 24 did not
+    # happen), which the uninterrupted run's losses go on from. Step 16 is a delta: the
+    # new world size reads step 8's shards, then 16's changed rows, keyed by global row.
+    shutil.rmtree(root / "step-00000024")
+    meta = json.loads((root / "step-00000016" / MANIFEST).read_text())["meta"]
+    assert [member["step"] for member in meta[CHAIN]] == [8] and meta["delta_rows"] > 0
+    assert list((root / "step-00000016").glob("sparse-delta-rank-*"))
     assert resume_layout(config(after), meta) == config(after)
     continued: list[dict] = []
     resumed = train_model(
         config(after), shards_dir, tmp_path / "resumed", "cpu", free_port(), env(),
         on_progress=continued.append, checkpoint_root=root,
     )  # fmt: skip
-    assert resumed.resumed_from_step == 8
+    assert resumed.resumed_from_step == 16
     assert (resumed.resumed_from_world_size, resumed.world_size) == (before, after)
-    assert [r["step"] for r in continued] == list(range(9, 29))  # the next 20 steps
+    assert [r["step"] for r in continued] == list(range(17, 29))  # the next 12 steps
     expected = {r["step"]: r["loss"] for r in reference}
     for record in continued:
         assert record["loss"] == pytest.approx(expected[record["step"]], rel=1e-5), record
     if zero_stage:
-        assert (root / "universal" / "step-00000008" / "dense").is_dir()
+        assert (root / "universal" / "step-00000016" / "dense").is_dir()

@@ -25,6 +25,7 @@ CONFIG = {
     "bottom_mlp": [16, 8],
     "top_mlp": [16],
     "dropout": 0.0,  # dropout masks are drawn per rank
+    "comm_precision": "fp32",  # only a wire rounds: 1 and 2 ranks must agree exactly
     "zero_stage": 0,
     "data_streams": 2,
     "checkpoint_every": 0,

@@ -75,7 +75,7 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "offload_optimizer": ({"zero_stage": 1}, {"offload_optimizer": True}),
     "embeddings": ({}, {"embeddings": "dense"}),
     "table_precision": ({}, {"table_precision": "bf16"}),
-    "comm_precision": ({}, {"comm_precision": "fp16"}),
+    "comm_precision": ({}, {"comm_precision": "fp32"}),
     "overlap_exchange": ({}, {"overlap_exchange": False}),
     "sparse_optimizer": ({}, {"sparse_optimizer": "lazy_adam"}),
     "sparse_lr": ({}, {"sparse_lr": 0.1}),
@@ -91,6 +91,9 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "checkpoint_every_s": ({}, {"checkpoint_every_s": 30.0}),
     "threads_per_rank": ({}, {"threads_per_rank": 3}),
     "keep_checkpoints": ({}, {"keep_checkpoints": 3}),
+    "checkpoint_max_deltas": ({}, {"checkpoint_max_deltas": 0}),
+    "checkpoint_rebase_share": ({}, {"checkpoint_rebase_share": 0.25}),
+    "checkpoint_async": ({}, {"checkpoint_async": False}),
     "world_size": ({}, {"world_size": 4}),
     "seed": ({}, {"seed": 1}),
     "log_every": ({}, {"log_every": 5}),
@@ -150,6 +153,10 @@ CTR_ONLY = {
     "tasks",
     "data_streams",
     "prefetch_batches",
+    # Only a sharded table's checkpoints are differential.
+    "checkpoint_max_deltas",
+    "checkpoint_rebase_share",
+    "checkpoint_async",
     # Needs fp16, which the pipeline engine does not train in.
     "loss_scale",
     # A warm start maps CTR tables' rows; sequence models cannot warm-start yet.
