@@ -51,10 +51,12 @@ its own node wrote (on a single node it covers everything).
 Chains (differential checkpoints, issue 41): a checkpoint whose meta has a `chain` holds
 only what changed since the checkpoint before it, and is whole only with the
 checkpoints it builds on. `chain` lists them, base first, each as {"step",
-"manifest_sha256", ...}: the sha256 of that checkpoint's `_manifest.json`, so the
-signed meta of the newest checkpoint binds every byte of its chain. A checkpoint
+"files_sha256", ...}: `files_digest` of that checkpoint's manifest (the sha256 of its
+file list with every file's size and sha256), so the signed meta of the newest
+checkpoint binds every byte of its chain, and a node's own copy of a member (nodes
+that share no disk commit each their own manifest of the same files) matches too. A checkpoint
 counts as valid (for `latest_valid`, `prepare` and retention) only when every member
-of its chain is committed, verifies and has that manifest; retention keeps the chains
+of its chain is committed, verifies and holds those files; retention keeps the chains
 of the checkpoints it keeps, and removes a chain once a newer base replaces it.
 
 Reads and writes only under `root`; no Prefect, no torch, no environment.
@@ -439,7 +441,8 @@ class CheckpointStore:
             self._log(f"checkpoint: ignoring unfinished saves in {STAGING}/: {', '.join(staged)}")
         rejected: list[tuple[str, str]] = []
         found: Checkpoint | None = None
-        seen: dict[int, str | None] = {}  # chain members already checked: step -> reason
+        # Chain members already checked: step -> (manifest, reason).
+        seen: dict[int, tuple[dict[str, Any] | None, str | None]] = {}
         for step, path in reversed(self._committed()):
             manifest, reason = _check(path, self.fingerprint, hashes=True)
             if reason is None and manifest is not None:
@@ -463,13 +466,13 @@ class CheckpointStore:
         self,
         path: Path,
         hashes: bool,
-        seen: dict[int, str | None],
+        seen: dict[int, tuple[dict[str, Any] | None, str | None]],
         manifest: dict[str, Any] | None = None,
     ) -> str | None:
         """Why the chain the checkpoint at `path` builds on is not whole, or None.
 
         Each member must be committed under root, verify (with `hashes`: every file's
-        sha256) and have the manifest whose sha256 the chain records. `seen` caches
+        sha256) and hold the files the chain records (`files_digest`). `seen` caches
         members' own checks between calls of one scan.
         """
         if manifest is None:
@@ -481,15 +484,15 @@ class CheckpointStore:
         except ValueError as err:
             return f"malformed {MANIFEST} meta: {err}"
         own = parse_step(path.name)
-        for step, manifest_sha256 in members:
+        for step, digest in members:
             member = self.checkpoint_dir(step)
             if own is not None and step >= own:
                 return f"its {CHAIN} names {member.name}, which is not older than it"
             if step not in seen:
-                seen[step] = _check(member, self.fingerprint, hashes)[1]
-            reason = seen[step]
-            if reason is None and file_sha256(member / MANIFEST) != manifest_sha256:
-                reason = f"{MANIFEST} is not the one the chain recorded (replaced)"
+                seen[step] = _check(member, self.fingerprint, hashes)
+            found, reason = seen[step]
+            if reason is None and found is not None and files_digest(found) != digest:
+                reason = "its files are not the ones the chain recorded (replaced)"
             if reason is not None:
                 return f"it builds on {member.name}, which is not usable: {reason}"
         return None
@@ -517,7 +520,7 @@ class CheckpointStore:
         cutoff: int | None = None
         needed = set(self._pinned)
         committed = self._committed()
-        seen: dict[int, str | None] = {}
+        seen: dict[int, tuple[dict[str, Any] | None, str | None]] = {}
         for step, path in reversed(committed):
             manifest, reason = _check(path, self.fingerprint, hashes=False)
             if manifest is not None and reason is None:
@@ -589,7 +592,7 @@ def chain_members(meta: dict[str, Any]) -> list[tuple[int, str]]:
     first; empty for a whole checkpoint.
 
     Raises:
-        ValueError: `chain` is not a list of {"step": int, "manifest_sha256": hex}
+        ValueError: `chain` is not a list of {"step": int, "files_sha256": hex}
             in increasing steps.
     """
     chain = meta.get(CHAIN, [])
@@ -598,7 +601,7 @@ def chain_members(meta: dict[str, Any]) -> list[tuple[int, str]]:
     members: list[tuple[int, str]] = []
     for entry in chain:
         step = entry.get("step") if isinstance(entry, dict) else None
-        digest = entry.get("manifest_sha256") if isinstance(entry, dict) else None
+        digest = entry.get("files_sha256") if isinstance(entry, dict) else None
         if (
             isinstance(step, bool)
             or not isinstance(step, int)
@@ -608,11 +611,18 @@ def chain_members(meta: dict[str, Any]) -> list[tuple[int, str]]:
             or (members and step <= members[-1][0])
         ):
             raise ValueError(
-                f"{CHAIN} entry {str(entry)[:120]} is not a {{'step', 'manifest_sha256'}} "
+                f"{CHAIN} entry {str(entry)[:120]} is not a {{'step', 'files_sha256'}} "
                 "of a step after the one before it"
             )
         members.append((step, digest))
     return members
+
+
+def files_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of a checkpoint manifest's file list (each file's size and sha256): what a
+    chain records of each member it builds on."""
+    files = json.dumps(manifest.get("files"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(files.encode()).hexdigest()
 
 
 def chain_steps(meta: dict[str, Any]) -> list[int]:

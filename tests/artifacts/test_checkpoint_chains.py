@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import fsspec
@@ -23,9 +24,10 @@ from artifacts.checkpoints import (
     CheckpointStore,
     chain_members,
     checkpoint_name,
+    files_digest,
     parse_step,
 )
-from artifacts.durable import file_sha256, fsync_tree
+from artifacts.durable import fsync_tree
 
 KEY = "c" * 64  # the run's resume key: the store's root is named by it
 
@@ -42,8 +44,8 @@ def save(store: CheckpointStore, step: int, chain: list[int] = (), payload: byte
 
 
 def entry(store: CheckpointStore, step: int) -> dict:
-    manifest = store.checkpoint_dir(step) / MANIFEST
-    return {"step": step, "manifest_sha256": file_sha256(manifest), "rows": 1, "world_size": 2}
+    manifest = json.loads((store.checkpoint_dir(step) / MANIFEST).read_text())
+    return {"step": step, "files_sha256": files_digest(manifest), "rows": 1, "world_size": 2}
 
 
 def on_disk(root: Path) -> list[int]:
@@ -128,7 +130,28 @@ def test_a_chain_member_swapped_for_another_valid_save_of_its_step_is_refused(
     assert store.verify(store.checkpoint_dir(200)) is None
     latest = store.latest_valid(strict=True)
     assert latest.step == 200  # the swapped-in one is whole on its own; 300 is refused
-    assert any("not the one the chain recorded" in line for line in logs)
+    assert any("not the ones the chain recorded" in line for line in logs)
+
+
+def test_another_nodes_own_commit_of_the_same_files_satisfies_the_chain(
+    tmp_path: Path, store: CheckpointStore
+) -> None:
+    """Nodes that share no disk each commit their copy (their own manifest: another
+    "created", another signature); rank 0's chain names the files, which match."""
+    node1 = CheckpointStore(tmp_path / "node-1" / KEY)
+    save(store, 100)
+    save(store, 200, [100])
+    time.sleep(1.1)  # a later "created": another manifest
+    for step in (100, 200):
+        staging = node1.prepare(step)
+        shutil.copyfile(store.checkpoint_dir(step) / "rows.bin", staging / "rows.bin")
+        meta = json.loads((store.checkpoint_dir(step) / MANIFEST).read_text())["meta"]
+        node1.commit(step, meta)  # the chain entries are rank 0's
+    assert (node1.checkpoint_dir(100) / MANIFEST).read_bytes() != (
+        store.checkpoint_dir(100) / MANIFEST
+    ).read_bytes()
+    latest = node1.latest_valid(strict=True)
+    assert latest.step == 200 and latest.chain == (node1.checkpoint_dir(100),)
 
 
 def test_a_delta_whose_base_is_gone_is_no_resume_point(store: CheckpointStore) -> None:
@@ -147,9 +170,9 @@ def test_a_delta_whose_base_is_gone_is_no_resume_point(store: CheckpointStore) -
     [
         "not a list",
         [{"step": 100}],
-        [{"step": 100, "manifest_sha256": "0" * 63}],
-        [{"step": True, "manifest_sha256": "0" * 64}],
-        [{"step": 200, "manifest_sha256": "0" * 64}, {"step": 100, "manifest_sha256": "0" * 64}],
+        [{"step": 100, "files_sha256": "0" * 63}],
+        [{"step": True, "files_sha256": "0" * 64}],
+        [{"step": 200, "files_sha256": "0" * 64}, {"step": 100, "files_sha256": "0" * 64}],
     ],
 )
 def test_a_malformed_chain_is_refused(chain: object) -> None:
@@ -163,7 +186,7 @@ def test_a_chain_naming_its_own_or_a_later_step_is_refused(
     save(store, 100)
     staging = store.prepare(200)
     (staging / "rows.bin").write_bytes(b"x")
-    loop = {"step": 200, "manifest_sha256": "0" * 64, "rows": 1, "world_size": 1}
+    loop = {"step": 200, "files_sha256": "0" * 64, "rows": 1, "world_size": 1}
     store.commit(200, {"step": 200, CHAIN: [entry(store, 100), loop]})
     assert store.latest_valid(strict=True).step == 100
     assert any("not older than it" in line for line in logs)

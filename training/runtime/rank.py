@@ -35,8 +35,9 @@ from artifacts.checkpoints import (
     MANIFEST,
     CheckpointCorrupt,
     CheckpointStore,
+    files_digest,
 )
-from artifacts.durable import file_sha256, fsync_tree
+from artifacts.durable import fsync_tree
 from artifacts.errors import ConfigError
 from artifacts.locations import is_remote
 from artifacts.signing import require_key
@@ -75,7 +76,7 @@ class CheckpointChain:
     Attributes:
         max_deltas: train.checkpoint_max_deltas (0: every checkpoint is a base).
         rebase_share: train.checkpoint_rebase_share.
-        members: The chain so far, base first: {"step", "manifest_sha256", "rows" (a
+        members: The chain so far, base first: {"step", "files_sha256", "rows" (a
             delta's rows, 0 for the base), "world_size"}; empty before the first base.
     """
 
@@ -94,12 +95,13 @@ class CheckpointChain:
         """Record the checkpoint committed at `path` (`delta_rows` None: a base).
 
         Only rank 0's record decides (`save_resume_checkpoint`), and only it writes the
-        chain into a manifest; on a rank that cannot see `path` the manifest's sha256 is
-        left empty.
+        chain into a manifest (`files_digest` of each member's, read from rank 0's own
+        committed copy).
         """
+        manifest = json.loads((path / MANIFEST).read_text())
         entry = {
             "step": step,
-            "manifest_sha256": file_sha256(path / MANIFEST) if (path / MANIFEST).is_file() else "",
+            "files_sha256": files_digest(manifest),
             "rows": delta_rows or 0,
             "world_size": world_size,
         }

@@ -178,7 +178,7 @@ def test_list_checkpoints_counts_committed_ones_and_tells_deltas_by_their_chain(
 ) -> None:
     root = tmp_path / "root"
     base = write_checkpoint(root, 10, {"dense/model_states.pt": 300, "sparse-rank-0.st": 5000})
-    chain = {CHAIN: [{"step": 10, "manifest_sha256": "0" * 64}], "delta_rows": 42}
+    chain = {CHAIN: [{"step": 10, "files_sha256": "0" * 64}], "delta_rows": 42}
     delta = write_checkpoint(root, 20, {"dense/model_states.pt": 300, "d.st": 700}, chain)
     (root / "step-00000030").mkdir()  # no manifest: not committed
     (root / STAGING / "step-00000040").mkdir(parents=True)

@@ -67,7 +67,7 @@ def test_rank_0_stops_waiting_when_another_rank_failed_to_write(tmp_path: Path) 
 def test_a_base_follows_the_deltas_limit_and_the_rows_share(
     members: list[int], dirty: int, expected: bool
 ) -> None:
-    entries = [{"step": i, "manifest_sha256": "", "rows": r, "world_size": 1} for i, r in
+    entries = [{"step": i, "files_sha256": "", "rows": r, "world_size": 1} for i, r in
                enumerate(members)]  # fmt: skip
     chain = CheckpointChain(max_deltas=2, rebase_share=0.5, members=entries)
     assert chain.next_is_delta(dirty, num_rows=100) is expected
