@@ -568,7 +568,12 @@ def apply_delta(
     """
     rows = delta.get(DELTA_ROWS)
     names = set(state) | {DELTA_ROWS}
-    if rows is None or set(delta) != names or rows.dim() != 1 or rows.dtype != torch.int64:
+    if (
+        rows is None
+        or set(delta) != names
+        or rows.dim() != 1
+        or rows.dtype not in (torch.int32, torch.int64)
+    ):
         raise ValueError(
             f"{where} is not a delta of this table's shard (tensors {sorted(delta)[:8]}, "
             f"expected {sorted(names)}): it was written with another sparse optimizer or "
@@ -579,6 +584,7 @@ def apply_delta(
             f"{where} names rows outside the table's [0, {num_rows}): it is not this "
             "table's delta; resume with the config that wrote the chain"
         )
+    rows = rows.long()
     mine = rows % world_size == rank
     local = rows[mine] // world_size
     for name, tensor in state.items():
@@ -872,6 +878,7 @@ class ShardedEmbedding:
         # Local rows whose row, optimizer state or admission count changed since the
         # last `take_delta` (a differential checkpoint writes only those).
         self.dirty = torch.zeros(local, dtype=torch.bool)
+        self._delta_buffers: dict[str, torch.Tensor] = {}  # see `take_delta`
         # Ids travel as their owner's local row; with admission the batch's counts of
         # them (at most every id a rank looks up at once, < 2^31) travel alongside.
         largest_local = -(-self.num_rows // world_size) - 1
@@ -944,16 +951,41 @@ class ShardedEmbedding:
             whole: All rows (a base checkpoint) instead of the dirty ones.
 
         Returns:
-            `DELTA_ROWS`: (n,) int64 global rows, ascending; each per-row tensor of
-            `state_dict()` at those rows (rows, optimizer state, admission counts); and
-            "steps". `apply_delta` puts it back on any world size.
+            `DELTA_ROWS`: (n,) global rows, ascending (int32 when the table has fewer
+            than 2^31 rows, else int64); each per-row tensor of `state_dict()` at those
+            rows (rows, optimizer state, admission counts); and "steps". `apply_delta`
+            puts it back on any world size. The per-row tensors of a delta are views of
+            buffers this shard keeps and reuses: valid until the next `take_delta`
+            (a checkpoint is written before the next is taken), and no page of them is
+            faulted in anew while the ranks wait.
         """
-        local = torch.arange(self.weight.shape[0]) if whole else self.dirty.nonzero().squeeze(1)
-        delta = {DELTA_ROWS: local * self.world_size + self.rank}
+        if whole:
+            local = torch.arange(self.weight.shape[0])
+        else:
+            local = self.dirty.nonzero().squeeze(1)
+        rows = local * self.world_size + self.rank
+        narrow = self.num_rows <= torch.iinfo(torch.int32).max
+        delta = {DELTA_ROWS: rows.to(torch.int32) if narrow else rows}
         for name, tensor in self.state_dict().items():
-            delta[name] = tensor.clone() if name == "steps" else tensor.index_select(0, local)
+            if name == "steps":
+                delta[name] = tensor.clone()
+            elif whole:
+                delta[name] = tensor.index_select(0, local)
+            else:
+                out = self._delta_buffer(name, tensor, local.numel())
+                delta[name] = torch.index_select(tensor, 0, local, out=out)
         self.dirty.zero_()
         return delta
+
+    def _delta_buffer(self, name: str, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """(rows, ...) view of the reused buffer for `name`'s delta, grown by a quarter
+        beyond what is asked when it is too small."""
+        buffer = self._delta_buffers.get(name)
+        if buffer is None or buffer.shape[0] < rows:
+            capacity = min(like.shape[0], rows + rows // 4)
+            buffer = torch.empty((capacity, *like.shape[1:]), dtype=like.dtype)
+            self._delta_buffers[name] = buffer
+        return buffer[:rows]
 
     def admitted_rows(self) -> torch.Tensor:
         """(local rows,) bool: which of this shard's rows are admitted."""

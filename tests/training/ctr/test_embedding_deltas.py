@@ -52,7 +52,7 @@ def test_a_base_and_its_deltas_rebuild_the_shard_on_any_world_size(
         delta = store.take_delta()
         assert delta[DELTA_ROWS].tolist() == touched  # one rank: global rows are local
         assert store.dirty_rows() == 0
-        deltas.append(delta)
+        deltas.append({name: tensor.clone() for name, tensor in delta.items()})  # reused
     final = snapshot(store)
     assert int(final["steps"]) == 4
 
