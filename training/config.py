@@ -456,7 +456,7 @@ class TrainConfig(BaseModel):
         "from the newest valid checkpoint (same world_size).",
     )
     checkpoint_every_s: float = Field(
-        600.0,
+        120.0,
         ge=0,
         description="Also save a resume checkpoint at the first optimizer step at least this "
         "many seconds (rank 0's clock) after the run started or last saved one (0: no time "

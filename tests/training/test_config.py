@@ -160,7 +160,7 @@ def test_data_streams_default_to_the_world_size() -> None:
 
 
 def test_resume_checkpoints_are_on_by_default_and_off_only_with_both_triggers_off() -> None:
-    assert TrainConfig().checkpoint_every_s == 600 and TrainConfig().checkpoint_every == 0
+    assert TrainConfig().checkpoint_every_s == 120 and TrainConfig().checkpoint_every == 0
     assert TrainConfig().saves_resume_checkpoints()
     assert TrainConfig(checkpoint_every=5, checkpoint_every_s=0).saves_resume_checkpoints()
     assert not TrainConfig(checkpoint_every_s=0).saves_resume_checkpoints()
