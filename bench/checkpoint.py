@@ -46,9 +46,10 @@ Runs, one after the other (each with its own output and checkpoint root under
    previous save still in flight included) and the background write times come from
    `train_summary.json`'s `resume_checkpoints`.
 3. `kill` (unless `--skip-kill`): `checkpoint_every` K = `--kill-every-steps` (20)
-   steps, no time trigger, the async defaults but `checkpoint_rebase_share` 1.0 (so the
-   chain's shape does not depend on how many rows K steps touch: a base at K, deltas at
-   2K, 3K, 4K, 5K). An uninterrupted reference run of 6K steps; then a run with
+   steps, no time trigger, the async defaults but `checkpoint_rebase_share` 1000 (a
+   chain may hold up to 1,000 tables' rows, so its shape does not depend on how many
+   rows K steps touch: a base at K, deltas at 2K, 3K, 4K, 5K). An uninterrupted
+   reference run of 6K steps; then a run with
    `RECFORGE_CHAOS_CHECKPOINT_FAULT=mid-file@5K`, where rank 0's background writer
    SIGKILLs the whole launch once its delta shard file of step 5K is on disk, before
    the commit: it must fail (`TrainingCrashed`); then a run on the same checkpoint root,
@@ -225,7 +226,7 @@ def kill_update(every_steps: int) -> dict[str, Any]:
         "checkpoint_every_s": 0.0,
         # Every checkpoint up to the fault stays in one chain, however many rows K
         # steps touch (a small table would otherwise be rebased part way).
-        "checkpoint_rebase_share": 1.0,
+        "checkpoint_rebase_share": 1000.0,
     }
 
 

@@ -494,12 +494,12 @@ class TrainConfig(BaseModel):
     checkpoint_rebase_share: float = Field(
         0.5,
         gt=0,
-        le=1,
         description="Sharded embeddings: write a base instead of the next delta once "
         "the chain's deltas would hold more rows than this share of the table's (so a "
         "resume never reads much more than two bases' bytes). Where an interval touches "
         "much of the table (small tables, uniform ids) most checkpoints are then bases: "
-        "a shorter checkpoint_every_s makes smaller deltas.",
+        "a shorter checkpoint_every_s makes smaller deltas. Above 1 a chain may hold more "
+        "rows than a base (a resume reads them all).",
     )
     eval_every_epochs: float = Field(
         0.0,

@@ -224,3 +224,26 @@ def test_the_mirror_pulls_a_deltas_chain_and_prunes_around_live_chains(tmp_path:
     assert remote_steps(fs, path) == [400, 500]
     manifest = json.loads(fs.cat_file(f"{path}/{checkpoint_name(500)}/{MANIFEST}"))
     assert [m["step"] for m in manifest["meta"][CHAIN]] == [400]
+
+
+def test_a_tampered_delta_in_the_bucket_is_refused_by_name(tmp_path: Path) -> None:
+    bucket = f"memory://tampered-{tmp_path.name}"
+    local = CheckpointStore(tmp_path / "writer" / KEY, keep=3)
+    mirror = CheckpointMirror(local.root, f"{bucket}/{KEY}", keep=3, log=print)
+    save(local, 100)
+    save(local, 200, chain=[100])
+    save(local, 300, chain=[100, 200])
+    mirror.push()
+    fs, path = fsspec.core.url_to_fs(f"{bucket}/{KEY}")
+    remote = f"{path}/{checkpoint_name(300)}/rows.bin"
+    data = bytearray(fs.cat_file(remote))
+    data[0] ^= 1  # another writer to the bucket flips a bit; the manifest is untouched
+    fs.pipe_file(remote, bytes(data))
+
+    lines: list[str] = []
+    retry = CheckpointMirror(tmp_path / "retry" / KEY, f"{bucket}/{KEY}", 3, lines.append)
+    assert retry.pull() == 200  # the newest delta that verifies, and its base
+    assert any("step-00000300" in line and "sha256 of rows.bin" in line for line in lines)
+    resumed = CheckpointStore(tmp_path / "retry" / KEY).latest_valid(strict=True)
+    assert resumed.step == 200 and resumed.chain == (tmp_path / "retry" / KEY / "step-00000100",)
+    assert not (tmp_path / "retry" / KEY / checkpoint_name(300)).exists()

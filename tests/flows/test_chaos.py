@@ -22,13 +22,16 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
 # Long enough that the ranks a SIGKILLed run orphans cannot finish the whole run before
 # the next attempt reaps them (each later attempt needs steps left to be preempted in).
-# Differential checkpoints however many of tiny's few hundred rows a delta holds (by
-# default a delta of more than half the table's rows is written as a base instead).
+# One chain of deltas on the first base, however many of tiny's few hundred rows each
+# delta holds (by default a chain holding more than half the table's rows, or 8 deltas,
+# is followed by a base) and however many checkpoints the killed run's orphaned ranks
+# add before the next attempt reaps them.
 RESUMABLE = [
     "train.max_steps=600",
     "train.checkpoint_every=10",
     "train.log_every=10",
-    "train.checkpoint_rebase_share=1.0",
+    "train.checkpoint_rebase_share=1000",
+    "train.checkpoint_max_deltas=1000",
 ]
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]

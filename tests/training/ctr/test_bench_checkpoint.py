@@ -336,7 +336,7 @@ def test_the_phases_and_the_kill_test_are_valid_train_configs(bench: ModuleType)
         bench.phase_update("other", 30.0, 900)
     kill = bench.bench_config(2048, 0, **bench.kill_update(20))
     assert (kill.checkpoint_every, kill.checkpoint_every_s, kill.max_steps) == (20, 0.0, 120)
-    assert kill.checkpoint_rebase_share == 1.0
+    assert kill.checkpoint_rebase_share == 1000.0
     # A base at K and deltas at 2K..5K: the chain holds them all.
     assert kill.checkpoint_max_deltas >= bench.KILL_FAULT_AT - 1
     assert kill.checkpoint_async

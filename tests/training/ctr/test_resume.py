@@ -45,6 +45,10 @@ CONFIG = {
     "comm_precision": "fp16",
     "world_size": 2,
     "checkpoint_every": 4,
+    # Differential chains (a base, then up to 8 asynchronous deltas) however much of
+    # these small tables (119 rows) 4 steps touch: by default a chain holding more than
+    # half the rows is followed by a base, written in the foreground.
+    "checkpoint_rebase_share": 1000.0,
     "log_every": 1,
     "tensorboard": False,
 }
@@ -290,8 +294,10 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_another_config_is_refused(
         )
     newest = CheckpointStore(root).latest_valid()
     assert newest is not None and newest.step == 8
-    # Flip one byte of the newest checkpoint's embedding shard: it must not be used.
-    victim = newest.path / "sparse-rank-00000-of-00002.safetensors"
+    # Flip one byte of the newest checkpoint's embedding shard (a delta on step 4's
+    # base): it must not be used, and the log names it.
+    assert newest.chain == (root / "step-00000004",)
+    victim = newest.path / "sparse-delta-rank-00000-of-00002.safetensors"
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -307,7 +313,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_another_config_is_refused(
         checkpoint_root=root,
     )
     assert resumed.resumed_from_step == 4
-    assert any("step-00000008" in line and "sha256" in line for line in lines)
+    assert any("step-00000008" in line and f"sha256 of {victim.name}" in line for line in lines)
 
     # A finished run leaves its checkpoints; another learning rate must not resume them.
     with pytest.raises(ConfigError, match="another train config"):
