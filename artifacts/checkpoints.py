@@ -444,7 +444,10 @@ class CheckpointStore:
         # Chain members already checked: step -> (manifest, reason).
         seen: dict[int, tuple[dict[str, Any] | None, str | None]] = {}
         for step, path in reversed(self._committed()):
-            manifest, reason = _check(path, self.fingerprint, hashes=True)
+            # A delta refused above may have hashed this one already, as its member.
+            if step not in seen:
+                seen[step] = _check(path, self.fingerprint, hashes=True)
+            manifest, reason = seen[step]
             if reason is None and manifest is not None:
                 reason = self._chain_problem(path, hashes=True, seen=seen, manifest=manifest)
             if reason is None and manifest is not None:

@@ -175,14 +175,13 @@ def load_sparse_chain(
     Raises:
         ValueError: A delta does not fit the base (`apply_delta`).
     """
-    parts = point.sparse_parts()
-    base, base_world, _ = parts[0]
+    (base, base_world), *deltas = point.sparse_parts()
     if base_world == world_size:
         state = load_file(str(base / sparse_file(rank, world_size)))
     else:  # every old shard holds some of this rank's rows
         shards = [load_file(str(base / sparse_file(r, base_world))) for r in range(base_world)]
         state = reshard_state(shards, num_rows, rank, world_size)
-    for path, member_world, _ in parts[1:]:
+    for path, member_world in deltas:
         for r in range(member_world):
             file = path / sparse_delta_file(r, member_world)
             apply_delta(state, load_file(str(file)), num_rows, rank, world_size, str(file))

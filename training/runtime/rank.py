@@ -510,11 +510,10 @@ class ResumePoint:
     universal: bool
     chain: tuple[tuple[Path, int], ...] = ()
 
-    def sparse_parts(self) -> list[tuple[Path, int, bool]]:
-        """(directory, world size, is a delta) of every checkpoint whose embedding
-        shards make up this one's rows: the base, then each delta in order."""
-        parts = [(path, world, i > 0) for i, (path, world) in enumerate(self.chain)]
-        return [*parts, (self.path, int(self.meta["world_size"]), bool(self.chain))]
+    def sparse_parts(self) -> list[tuple[Path, int]]:
+        """(directory, world size) of every checkpoint whose embedding shards make up
+        this one's rows: the base, then each delta in order."""
+        return [*self.chain, (self.path, int(self.meta["world_size"]))]
 
 
 def find_resume_point(
